@@ -1,0 +1,57 @@
+"""Process-wide settings, read from ``AGENTENV_*`` environment variables.
+
+Every value has a zero-configuration default so that a single node works out of the box.
+"""
+
+from __future__ import annotations
+
+import secrets
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENVD_PORT = 49983
+ENVD_VERSION = "0.6.4"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AGENTENV_")
+
+    host: str = "127.0.0.1"
+    port: int = 3000
+    #: Root of all node state: templates, sandboxes, snapshots, the SQLite registry.
+    data_dir: Path = Path("/var/lib/agentenv")
+    #: API keys accepted in ``X-API-Key``. Empty means: generate one at start-up and print it.
+    api_keys: list[str] = []
+    #: ``auto`` picks firecracker when KVM with vmx/svm and a binary exist, else gvisor.
+    runtime: str = "auto"
+    #: Domain used for ``{port}-{sandbox_id}.{domain}`` Host routing.
+    domain: str = "localhost"
+    #: Subnet sandboxes get their /30 links from (host side .1, sandbox side .2).
+    sandbox_subnet: str = "10.213.0.0/16"
+    default_timeout_seconds: int = 300
+    runsc_path: str = "runsc"
+    runsc_platform: str = "auto"
+    firecracker_path: str = "firecracker"
+    qemu_path: str = "qemu-system-x86_64"
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "agentenv.sqlite3"
+
+    def effective_api_keys(self) -> list[str]:
+        """The configured keys, or one stable generated key stored in the data directory."""
+        if self.api_keys:
+            return self.api_keys
+        key_file = self.data_dir / "api-key"
+        if not key_file.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            key_file.write_text("e2b_" + secrets.token_hex(20) + "\n")
+            key_file.chmod(0o600)
+        return [key_file.read_text().strip()]
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,1 @@
+"""Messages generated from the shared E2B protos (`make proto`)."""
