@@ -35,10 +35,19 @@ class Settings(BaseSettings):
     runsc_platform: str = "auto"
     firecracker_path: str = "firecracker"
     qemu_path: str = "qemu-system-x86_64"
+    #: Where built templates live (default ``{data_dir}/templates``); lets a throw-away data
+    #: directory (tests) use the shared, cached templates without copying them.
+    templates_path: Path | None = None
+    #: Largest request body the envd proxy forwards (uploads); bigger ones get 413.
+    max_upload_bytes: int = 1 << 30
 
     @property
     def db_path(self) -> Path:
         return self.data_dir / "agentenv.sqlite3"
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.templates_path or self.data_dir / "templates"
 
     def effective_api_keys(self) -> list[str]:
         """The configured keys, or one stable generated key stored in the data directory."""
