@@ -1,0 +1,419 @@
+"""The sandbox proxy: an ASGI dispatcher in front of the control plane.
+
+A request is for a sandbox when it carries ``E2b-Sandbox-Id`` + ``E2b-Sandbox-Port`` (what the
+SDKs send when ``E2B_SANDBOX_URL`` points here) or a Host of ``{port}-{sandbox_id}.{domain}``.
+Such requests never reach FastAPI (envd's ``/health`` and ``/files`` would collide with the
+control plane's paths); they are forwarded to ``http://<sandbox address>:<port>`` with both
+bodies streamed chunk by chunk (uploads, downloads, Connect server and client streams) and
+WebSockets relayed frame by frame.
+
+Errors the proxy itself answers are what E2B's edge proxy answers, because the SDKs key on the
+messages: 502 ``... was not found`` (sandbox killed, timed out or unknown) and 502
+``... port is not open`` (sandbox running, nothing listening).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import websockets
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from websockets.asyncio.client import ClientConnection
+
+from agentenv.config import ENVD_PORT, Settings
+from agentenv.orchestrator.ids import SANDBOX_ID_LOOSE_RE, normalise_sandbox_id
+from agentenv.orchestrator.service import Orchestrator, Route
+
+log = logging.getLogger(__name__)
+
+#: Hop-by-hop headers (RFC 9110 7.6.1) plus the ones the proxy sets itself.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "transfer-encoding", "upgrade", "host",
+})
+#: Routing headers that mean nothing to the sandbox.
+ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"})
+#: envd operations marked ``x-internal`` in envd.yaml: only the orchestrator may call them, over
+#: the host link, never through the public sandbox URL.
+ENVD_INTERNAL_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
+TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
+_HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[A-Za-z0-9-]+)\.(?P<domain>.+)$")
+
+
+class _UploadTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    sandbox_id: str
+    port: int
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            decoded: str = value.decode("latin-1")
+            return decoded
+    return None
+
+
+def find_target(scope: Scope, domain: str) -> Target | None:
+    """The sandbox and port a request is for, or None when it is a control-plane request."""
+    sid = _header(scope, b"e2b-sandbox-id")
+    port = _header(scope, b"e2b-sandbox-port")
+    if sid and port:
+        if not port.isdigit():
+            return Target(sandbox_id=normalise_sandbox_id(sid), port=-1)
+        return Target(sandbox_id=normalise_sandbox_id(sid), port=int(port))
+    host = _header(scope, b"host") or ""
+    hostname = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    m = _HOST_RE.match(hostname.lower())
+    if m and m.group("domain") == domain.lower():
+        return Target(sandbox_id=normalise_sandbox_id(m.group("sandbox")), port=int(m.group("port")))
+    return None
+
+
+def not_found_message(sandbox_id: str) -> str:
+    # The SDKs recognise a gone sandbox by "was not found" (e2b.exceptions.SANDBOX_NOT_FOUND_MESSAGE).
+    return f"The sandbox {sandbox_id} was not found"
+
+
+def port_closed_message(sandbox_id: str, port: int) -> str:
+    return f"The sandbox {sandbox_id} is running but port is not open (port {port})"
+
+
+def forward_headers(scope: Scope, target: Target) -> list[tuple[str, str]]:
+    out = []
+    for key, value in scope.get("headers", []):
+        name = key.decode("latin-1").lower()
+        if name in HOP_BY_HOP or name in ROUTING_HEADERS:
+            continue
+        out.append((name, value.decode("latin-1")))
+    client = scope.get("client")
+    if client:
+        out.append(("x-forwarded-for", str(client[0])))
+    out.append(("x-forwarded-proto", "https" if scope.get("scheme") in ("https", "wss") else "http"))
+    host = _header(scope, b"host")
+    if host:
+        out.append(("x-forwarded-host", host))
+    return out
+
+
+def response_headers(resp: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [
+        (k.lower(), v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP
+    ]
+
+
+async def send_error(send: Send, code: int, message: str, sandbox_id: str | None = None) -> None:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if sandbox_id:
+        body["sandboxId"] = sandbox_id
+    data = json.dumps(body).encode()
+    await send({
+        "type": "http.response.start",
+        "status": code,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            # Answers of the proxy itself are final; nothing gets better by retrying.
+            (b"should-retry", b"false"),
+        ],
+    })
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class _Downstream:
+    """The client side of one proxied HTTP exchange: its request body as an async iterator
+    (with the size limit enforced), and a way to notice the client going away."""
+
+    def __init__(self, receive: Receive, limit: int) -> None:
+        self._receive = receive
+        self._limit = limit
+        self.received = 0
+        self.body_done = False
+        self.disconnected = asyncio.Event()
+
+    async def body(self) -> AsyncIterator[bytes]:
+        while not self.body_done:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected.set()
+                raise _ClientGone()
+            chunk: bytes = msg.get("body", b"")
+            self.received += len(chunk)
+            if self.received > self._limit:
+                raise _UploadTooLarge()
+            if not msg.get("more_body", False):
+                self.body_done = True
+            if chunk:
+                yield chunk
+
+    async def drain(self) -> None:
+        """Read (and drop) what is left of the request body, e.g. before answering 413."""
+        while not self.body_done:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected.set()
+                return
+            if not msg.get("more_body", False):
+                self.body_done = True
+
+    async def wait_disconnect(self) -> None:
+        while not self.disconnected.is_set():
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected.set()
+
+
+class SandboxProxy:
+    """ASGI middleware: sandbox traffic is proxied, everything else goes to ``app``."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, orchestrator: Callable[[], Orchestrator]) -> None:
+        self.app = app
+        self.settings = settings
+        self._orchestrator = orchestrator
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=30.0),
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128,
+                                    keepalive_expiry=30.0),
+                follow_redirects=False,
+                trust_env=False,  # sandbox traffic never goes through a host proxy
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            target = find_target(scope, self.settings.domain)
+            if target is not None:
+                if scope["type"] == "http":
+                    await self._http(scope, receive, send, target)
+                else:
+                    await self._websocket(scope, receive, send, target)
+                return
+        await self.app(scope, receive, send)
+
+    # -- shared checks -------------------------------------------------------------------------
+
+    def _resolve(self, scope: Scope, target: Target) -> tuple[Route | None, tuple[int, str] | None]:
+        """The route to the sandbox, or the (status, message) to refuse the request with."""
+        if target.port < 1 or target.port > 65535:
+            return None, (400, f"invalid sandbox port {target.port}")
+        if not SANDBOX_ID_LOOSE_RE.fullmatch(target.sandbox_id):
+            return None, (502, not_found_message(target.sandbox_id))
+        route = self._orchestrator().route(target.sandbox_id)
+        if route is None:
+            return None, (502, not_found_message(target.sandbox_id))
+        if target.port == ENVD_PORT and scope.get("path", "") in ENVD_INTERNAL_PATHS:
+            return None, (403, f"{scope['path']} is internal to the orchestrator")
+        if route.traffic_access_token and target.port != ENVD_PORT:
+            presented = _header(scope, TRAFFIC_TOKEN_HEADER.encode())
+            if presented != route.traffic_access_token:
+                return None, (403, f"sandbox {target.sandbox_id} requires a valid {TRAFFIC_TOKEN_HEADER}")
+        return route, None
+
+    def _url(self, scope: Scope, route: Route, port: int, scheme: str = "http") -> str:
+        path = scope.get("raw_path") or scope.get("path", "/").encode()
+        raw_path = path.decode("latin-1") if isinstance(path, bytes) else str(path)
+        query = scope.get("query_string", b"").decode("latin-1")
+        return f"{scheme}://{route.address}:{port}{raw_path}" + (f"?{query}" if query else "")
+
+    def _unreachable(self, target: Target) -> tuple[int, str]:
+        """What to answer when connecting to the sandbox failed: gone, or port closed."""
+        if self._orchestrator().route(target.sandbox_id) is None:
+            return 502, not_found_message(target.sandbox_id)
+        return 502, port_closed_message(target.sandbox_id, target.port)
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
+        route, refusal = self._resolve(scope, target)
+        limit = self.settings.max_upload_bytes
+        down = _Downstream(receive, limit)
+        if refusal or route is None:
+            code, message = refusal or (502, not_found_message(target.sandbox_id))
+            await down.drain()
+            await send_error(send, code, message, target.sandbox_id)
+            return
+        length = _header(scope, b"content-length")
+        if length and length.isdigit() and int(length) > limit:
+            await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+            return
+        has_body = bool(length and length != "0") or _header(scope, b"transfer-encoding") is not None
+        request = self.client.build_request(
+            scope["method"],
+            self._url(scope, route, target.port),
+            headers=forward_headers(scope, target),
+            content=down.body() if has_body else None,
+        )
+        if not has_body:
+            down.body_done = True
+        watcher = asyncio.ensure_future(down.wait_disconnect()) if not has_body else None
+        try:
+            response = await self._send_upstream(request, watcher)
+        except _UploadTooLarge:
+            _cancel(watcher)
+            await down.drain()
+            await send_error(send, 413, f"request body exceeds the limit of {limit} bytes")
+            return
+        except _ClientGone:
+            _cancel(watcher)
+            return
+        except httpx.TransportError as exc:
+            _cancel(watcher)
+            log.debug("proxy to %s:%s failed: %s", target.sandbox_id, target.port, exc)
+            code, message = self._unreachable(target)
+            await send_error(send, code, message, target.sandbox_id)
+            return
+        if response is None:  # the client went away while we waited for the sandbox
+            return
+        await self._stream_response(response, send, down, watcher)
+
+    async def _send_upstream(
+        self, request: httpx.Request, watcher: asyncio.Future[None] | None
+    ) -> httpx.Response | None:
+        sending: asyncio.Future[httpx.Response] = asyncio.ensure_future(
+            self.client.send(request, stream=True)
+        )
+        if watcher is None:
+            try:
+                return await sending
+            except httpx.TransportError as exc:
+                # A failure of our own body iterator surfaces wrapped in the transport error.
+                cause = exc.__cause__ or exc.__context__
+                if isinstance(cause, (_UploadTooLarge, _ClientGone)):
+                    raise cause from None
+                raise
+        pending: list[asyncio.Future[Any]] = [sending, watcher]
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if sending in done:
+            return sending.result()
+        sending.cancel()
+        with contextlib.suppress(BaseException):
+            resp = await sending
+            await resp.aclose()
+        return None
+
+    async def _stream_response(
+        self, response: httpx.Response, send: Send, down: _Downstream, watcher: asyncio.Future[None] | None
+    ) -> None:
+        async def pump() -> None:
+            await send({
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": response_headers(response),
+            })
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        if watcher is None:
+            watcher = asyncio.ensure_future(down.wait_disconnect())
+        pumping = asyncio.ensure_future(pump())
+        try:
+            done, _ = await asyncio.wait({pumping, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if pumping in done:
+                exc = pumping.exception()
+                if exc is not None and not isinstance(exc, (httpx.TransportError, OSError)):
+                    raise exc
+                if exc is not None:
+                    # The sandbox went away mid-response: end the body so the client notices.
+                    log.debug("upstream ended mid-response: %s", exc)
+                    with contextlib.suppress(Exception):
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            _cancel(pumping)
+            _cancel(watcher)
+            await response.aclose()
+
+    # -- WebSocket -----------------------------------------------------------------------------
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
+        msg = await receive()
+        if msg["type"] != "websocket.connect":
+            return
+        route, refusal = self._resolve(scope, target)
+        if refusal or route is None:
+            await send({"type": "websocket.close", "code": 1011,
+                        "reason": (refusal or (502, ""))[1][:120]})
+            return
+        headers = [(k, v) for k, v in forward_headers(scope, target)
+                   if not k.startswith("sec-websocket-")]
+        try:
+            upstream = await websockets.connect(
+                self._url(scope, route, target.port, scheme="ws"),
+                additional_headers=headers,
+                subprotocols=scope.get("subprotocols") or None,  # type: ignore[arg-type]
+                max_size=None,
+                open_timeout=10,
+                proxy=None,
+            )
+        except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
+            log.debug("websocket to %s:%s failed: %s", target.sandbox_id, target.port, exc)
+            await send({"type": "websocket.close", "code": 1011,
+                        "reason": self._unreachable(target)[1][:120]})
+            return
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+        await _relay_websocket(receive, send, upstream)
+
+
+async def _relay_websocket(receive: Receive, send: Send, upstream: ClientConnection) -> None:
+    async def client_to_upstream() -> None:
+        while True:
+            msg: Message = await receive()
+            if msg["type"] == "websocket.disconnect":
+                await upstream.close(code=msg.get("code", 1000))
+                return
+            if msg.get("bytes") is not None:
+                await upstream.send(msg["bytes"])
+            elif msg.get("text") is not None:
+                await upstream.send(msg["text"])
+
+    async def upstream_to_client() -> None:
+        try:
+            async for data in upstream:
+                if isinstance(data, bytes):
+                    await send({"type": "websocket.send", "bytes": data})
+                else:
+                    await send({"type": "websocket.send", "text": data})
+        except websockets.ConnectionClosed:
+            pass
+        code = upstream.close_code or 1000
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": code if code != 1006 else 1011})
+
+    tasks = [asyncio.ensure_future(client_to_upstream()), asyncio.ensure_future(upstream_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            _cancel(t)
+        await upstream.close()
+
+
+def _cancel(task: asyncio.Future[Any] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()

@@ -1,0 +1,395 @@
+"""``/sandboxes``, ``/v2/sandboxes``: the sandbox control plane of E2B's openapi.yml."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import urllib.parse
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from agentenv.api.auth import require_api_key
+from agentenv.api.errors import ApiError
+from agentenv.api.schemas import (
+    MAX_TIMEOUT_SECONDS,
+    ConnectSandbox,
+    ListedSandbox,
+    NetworkInfo,
+    NewSandbox,
+    Sandbox,
+    SandboxDetail,
+    SandboxLifecycle,
+    SandboxLog,
+    SandboxLogEntry,
+    SandboxMetric,
+    SandboxRefreshRequest,
+    SandboxTimeoutRequest,
+)
+from agentenv.orchestrator.ids import normalise_sandbox_id
+from agentenv.orchestrator.service import CreateRequest, MetricSample, Orchestrator
+from agentenv.orchestrator.store import LISTED_STATES, ListQuery, LogLine, SandboxRecord
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+LIST_LIMIT_MAX = 100
+
+
+def orchestrator(request: Request) -> Orchestrator:
+    orch: Orchestrator = request.app.state.orchestrator
+    return orch
+
+
+Orch = Annotated[Orchestrator, Depends(orchestrator)]
+
+
+def public_domain(request: Request) -> str:
+    domain: str = request.app.state.public_domain
+    return domain
+
+
+# -- serialisation -----------------------------------------------------------------------------
+
+
+def sandbox_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
+    return Sandbox(
+        template_id=rec.template_id,
+        sandbox_id=rec.sandbox_id,
+        alias=rec.alias,
+        client_id=rec.client_id,
+        envd_version=rec.envd_version,
+        envd_access_token=rec.envd_access_token,
+        traffic_access_token=rec.traffic_access_token,
+        domain=domain,
+    ).to_json()
+
+
+def _listed_fields(rec: SandboxRecord) -> dict[str, object]:
+    return {
+        "template_id": rec.template_id,
+        "alias": rec.alias,
+        "sandbox_id": rec.sandbox_id,
+        "client_id": rec.client_id,
+        "started_at": rec.started_at,
+        "end_at": rec.end_at,
+        "cpu_count": rec.cpu_count,
+        "memory_mb": rec.memory_mb,
+        "disk_size_mb": rec.disk_mb,
+        "metadata": rec.metadata,
+        "state": "paused" if rec.state == "paused" else "running",
+        "envd_version": rec.envd_version,
+    }
+
+
+def listed_body(rec: SandboxRecord) -> dict[str, object]:
+    return ListedSandbox.model_validate(_listed_fields(rec)).to_json()
+
+
+def detail_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
+    net = rec.network or {}
+    detail = SandboxDetail.model_validate(
+        {
+            **_listed_fields(rec),
+            "envd_access_token": rec.envd_access_token,
+            "allow_internet_access": rec.allow_internet_access,
+            "domain": domain,
+            "network": NetworkInfo(
+                allow_public_traffic=rec.traffic_access_token is None,
+                allow_out=list(net.get("allowOut") or []),
+                deny_out=list(net.get("denyOut") or []),
+            ),
+            "lifecycle": SandboxLifecycle(
+                auto_resume=rec.auto_resume, on_timeout="pause" if rec.auto_pause else "kill"
+            ),
+        }
+    )
+    return detail.to_json()
+
+
+def metric_body(sample: MetricSample) -> dict[str, object]:
+    m = sample.metrics
+    return SandboxMetric(
+        timestamp=sample.at,
+        timestamp_unix=int(sample.at.timestamp()),
+        cpu_count=m.cpu_count,
+        cpu_used_pct=m.cpu_used_pct,
+        mem_used=m.mem_used,
+        mem_total=m.mem_total,
+        disk_used=m.disk_used,
+        disk_total=m.disk_total,
+    ).to_json()
+
+
+# -- create ------------------------------------------------------------------------------------
+
+
+def _create_request(body: NewSandbox, *, secure: bool) -> CreateRequest:
+    if body.timeout > MAX_TIMEOUT_SECONDS:
+        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
+    if body.volume_mounts:
+        raise ApiError(400, "volume mounts are not supported on this node")
+    if body.auto_resume and body.auto_resume.enabled and not body.auto_pause:
+        raise ApiError(400, "autoResume requires autoPause")
+    network = body.network
+    allow_internet = body.allow_internet_access
+    if network and network.allow_out:
+        raise ApiError(400, "network.allowOut is not supported on this node")
+    return CreateRequest(
+        template_id=body.template_id,
+        timeout_seconds=body.timeout,
+        metadata=body.metadata or {},
+        envs=body.env_vars or {},
+        secure=secure,
+        allow_internet_access=allow_internet,
+        auto_pause=body.auto_pause,
+        auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+        allow_public_traffic=network.allow_public_traffic is not False if network else True,
+        network=network.model_dump(by_alias=True, exclude_none=True) if network else None,
+    )
+
+
+async def _create(
+    request: Request, orch: Orchestrator, body: NewSandbox, *, secure: bool, idempotency_key: str | None
+) -> JSONResponse:
+    rec = await orch.create(_create_request(body, secure=secure), idempotency_key=idempotency_key)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
+
+
+@router.post("/sandboxes", status_code=201)
+async def create_sandbox(
+    request: Request, body: NewSandbox, orch: Orch,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JSONResponse:
+    return await _create(request, orch, body, secure=bool(body.secure), idempotency_key=idempotency_key)
+
+
+@router.post("/v2/sandboxes", status_code=201)
+async def create_sandbox_v2(
+    request: Request, body: NewSandbox, orch: Orch,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JSONResponse:
+    # v2: "All system communication with the sandbox is always secured".
+    return await _create(request, orch, body, secure=True, idempotency_key=idempotency_key)
+
+
+# -- list --------------------------------------------------------------------------------------
+
+
+def parse_metadata_query(raw: str | None) -> dict[str, str]:
+    """The SDKs send ``metadata=urlencode({quote(k): quote(v)})``: decode both layers."""
+    if not raw:
+        return {}
+    try:
+        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise ApiError(
+            400, f"invalid metadata query {raw!r}: expected key=value pairs joined by '&'"
+        ) from None
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def parse_states(raw: list[str] | None) -> tuple[str, ...]:
+    if not raw:
+        return LISTED_STATES
+    states = tuple(s.strip() for item in raw for s in item.split(",") if s.strip())
+    bad = [s for s in states if s not in LISTED_STATES]
+    if bad:
+        raise ApiError(400, f"invalid state {bad[0]!r}: expected one of {', '.join(LISTED_STATES)}")
+    return states or LISTED_STATES
+
+
+def encode_cursor(rec: SandboxRecord) -> str:
+    raw = f"{rec.started_at.timestamp():.6f}:{rec.seq}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(token: str) -> tuple[float, int]:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        ts, seq = raw.split(":")
+        return float(ts), int(seq)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise ApiError(400, "invalid nextToken") from None
+
+
+@router.get("/v2/sandboxes")
+async def list_sandboxes_v2(
+    orch: Orch,
+    metadata: str | None = None,
+    state: Annotated[list[str] | None, Query()] = None,
+    order: str = "desc",
+    started_after: Annotated[dt.datetime | None, Query(alias="startedAfter")] = None,
+    template: str | None = None,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+    limit: Annotated[int, Query(ge=1, le=LIST_LIMIT_MAX)] = LIST_LIMIT_MAX,
+) -> JSONResponse:
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"invalid order {order!r}: expected 'asc' or 'desc'")
+    states = parse_states(state)
+    query = ListQuery(
+        states=states,
+        metadata=parse_metadata_query(metadata),
+        template=template,
+        started_after=started_after,
+        ascending=order == "asc",
+        after=decode_cursor(next_token) if next_token else None,
+        limit=limit,
+    )
+    recs = await orch.list_sandboxes(query)
+    headers = {}
+    if len(recs) > limit:
+        recs = recs[:limit]
+        headers["X-Next-Token"] = encode_cursor(recs[-1])
+    if "running" in states:
+        running = await orch.list_sandboxes(ListQuery(states=("running",), metadata=query.metadata,
+                                            template=template, started_after=started_after))
+        headers["X-Total-Running"] = str(len(running))
+    return JSONResponse([listed_body(r) for r in recs], headers=headers)
+
+
+@router.get("/sandboxes")
+async def list_sandboxes_v1(orch: Orch, metadata: str | None = None) -> JSONResponse:
+    recs = await orch.list_sandboxes(ListQuery(states=("running",), metadata=parse_metadata_query(metadata)))
+    return JSONResponse([listed_body(r) for r in recs])
+
+
+# -- metrics (before /sandboxes/{id} so "metrics" is not taken for an id) -------------------------
+
+
+@router.get("/sandboxes/metrics")
+async def sandboxes_metrics(
+    orch: Orch, sandbox_ids: Annotated[list[str] | None, Query()] = None
+) -> JSONResponse:
+    ids = [normalise_sandbox_id(s) for item in sandbox_ids or [] for s in item.split(",") if s.strip()]
+    if not ids:
+        raise ApiError(400, "sandbox_ids is required (comma-separated sandbox IDs)")
+    if len(set(ids)) > 100:
+        raise ApiError(400, "at most 100 sandbox_ids per request")
+    out: dict[str, object] = {}
+    for sid in dict.fromkeys(ids):
+        rec = await orch.store.get(sid)
+        if rec is None or rec.state != "running":
+            continue
+        samples = await orch.metrics(sid)
+        if samples:
+            out[sid] = metric_body(samples[-1])
+    return JSONResponse({"sandboxes": out})
+
+
+# -- one sandbox -------------------------------------------------------------------------------
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(request: Request, sandbox_id: str, orch: Orch) -> JSONResponse:
+    rec = await orch.get(normalise_sandbox_id(sandbox_id))
+    return JSONResponse(detail_body(rec, public_domain(request)))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill_sandbox(sandbox_id: str, orch: Orch) -> Response:
+    await orch.kill(normalise_sandbox_id(sandbox_id))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: SandboxTimeoutRequest, orch: Orch) -> Response:
+    if body.timeout > MAX_TIMEOUT_SECONDS:
+        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
+    await orch.set_timeout(normalise_sandbox_id(sandbox_id), body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(sandbox_id: str, orch: Orch, body: SandboxRefreshRequest | None = None) -> Response:
+    duration = body.duration if body and body.duration is not None else 60
+    await orch.refresh(normalise_sandbox_id(sandbox_id), duration)
+    return Response(status_code=204)
+
+
+async def _connect(
+    request: Request, sandbox_id: str, body: ConnectSandbox, orch: Orchestrator
+) -> JSONResponse:
+    timeout = body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds
+    if timeout > MAX_TIMEOUT_SECONDS:
+        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
+    rec, resumed = await orch.connect(normalise_sandbox_id(sandbox_id), timeout)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201 if resumed else 200)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+async def connect(request: Request, sandbox_id: str, body: ConnectSandbox, orch: Orch) -> JSONResponse:
+    return await _connect(request, sandbox_id, body, orch)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect_v2(request: Request, sandbox_id: str, body: ConnectSandbox, orch: Orch) -> JSONResponse:
+    return await _connect(request, sandbox_id, body, orch)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def sandbox_metrics(
+    sandbox_id: str, orch: Orch,
+    start: Annotated[int | None, Query(ge=0)] = None,
+    end: Annotated[int | None, Query(ge=0)] = None,
+) -> JSONResponse:
+    if start is not None and end is not None and start > end:
+        raise ApiError(400, "start must not be after end")
+    samples = await orch.metrics(normalise_sandbox_id(sandbox_id))
+    chosen = [
+        s for s in samples
+        if (start is None or s.at.timestamp() >= start) and (end is None or s.at.timestamp() <= end)
+    ]
+    return JSONResponse([metric_body(s) for s in chosen])
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+_LEVELS = ("debug", "info", "warn", "error")
+
+
+@router.get("/sandboxes/{sandbox_id}/logs")
+async def sandbox_logs_v1(
+    sandbox_id: str, orch: Orch,
+    start: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=0)] = 1000,
+) -> JSONResponse:
+    since = dt.datetime.fromtimestamp(start / 1000, dt.UTC) if start is not None else None
+    lines = await orch.logs(normalise_sandbox_id(sandbox_id), start=since, limit=limit)
+    return JSONResponse({
+        "logs": [SandboxLog(timestamp=ln.timestamp, line=ln.message).to_json() for ln in lines],
+        "logEntries": [_entry(ln) for ln in lines],
+    })
+
+
+def _entry(ln: LogLine) -> dict[str, object]:
+    level = ln.level if ln.level in _LEVELS else "info"
+    return SandboxLogEntry(timestamp=ln.timestamp, message=ln.message, level=level,  # type: ignore[arg-type]
+                           fields=ln.fields).to_json()
+
+
+@router.get("/v2/sandboxes/{sandbox_id}/logs")
+async def sandbox_logs_v2(
+    sandbox_id: str, orch: Orch,
+    cursor: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=0, le=1000)] = 1000,
+    direction: str = "forward",
+    level: str | None = None,
+    search: Annotated[str | None, Query(max_length=256)] = None,
+) -> JSONResponse:
+    if direction not in ("forward", "backward"):
+        raise ApiError(400, f"invalid direction {direction!r}: expected 'forward' or 'backward'")
+    if level is not None and level not in _LEVELS:
+        raise ApiError(400, f"invalid level {level!r}: expected one of {', '.join(_LEVELS)}")
+    since = dt.datetime.fromtimestamp(cursor / 1000, dt.UTC) if cursor is not None else None
+    lines = await orch.logs(
+        normalise_sandbox_id(sandbox_id), start=since, limit=10_000, ascending=direction == "forward"
+    )
+    min_level = _LEVELS.index(level) if level else 0
+    chosen = [
+        ln for ln in lines
+        if _LEVELS.index(ln.level if ln.level in _LEVELS else "info") >= min_level
+        and (search is None or search in ln.message)
+    ][:limit]
+    return JSONResponse({"logs": [_entry(ln) for ln in chosen]})

@@ -1,0 +1,163 @@
+"""Request and response bodies of the control plane, field for field as in E2B's openapi.yml.
+
+Requests are validated strictly (a string where an integer belongs is a 400, as with E2B's Go
+server); responses are serialised by alias (``sandboxID``, ``envdVersion``, ...).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: E2B caps a sandbox's life at 24 hours.
+MAX_TIMEOUT_SECONDS = 86_400
+INT32_MAX = 2**31 - 1
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored (newer SDKs send more than we know), wrong types are not.
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=False)
+
+
+class SandboxNetworkConfig(_Request):
+    allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+    allow_out: list[str] | None = Field(None, alias="allowOut")
+    deny_out: list[str] | None = Field(None, alias="denyOut")
+    mask_request_host: str | None = Field(None, alias="maskRequestHost")
+
+
+class SandboxAutoResumeConfig(_Request):
+    enabled: bool = False
+
+
+class VolumeMount(_Request):
+    name: str
+    path: str
+
+
+class NewSandbox(_Request):
+    template_id: str = Field(alias="templateID", min_length=1, max_length=128)
+    timeout: int = Field(15, ge=0, le=INT32_MAX)
+    auto_pause: bool = Field(False, alias="autoPause")
+    auto_pause_memory: bool = Field(True, alias="autoPauseMemory")
+    auto_resume: SandboxAutoResumeConfig | None = Field(None, alias="autoResume")
+    secure: bool | None = None
+    allow_internet_access: bool | None = None
+    network: SandboxNetworkConfig | None = None
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    mcp: dict[str, Any] | None = None
+    volume_mounts: list[VolumeMount] | None = Field(None, alias="volumeMounts")
+
+
+class SandboxTimeoutRequest(_Request):
+    timeout: int = Field(ge=0, le=INT32_MAX)
+
+
+class SandboxRefreshRequest(_Request):
+    duration: int | None = Field(None, ge=0, le=3600)
+
+
+class ConnectSandbox(_Request):
+    timeout: int | None = Field(None, ge=0, le=INT32_MAX)
+    memory: bool | None = None
+
+
+class Sandbox(_Response):
+    template_id: str = Field(serialization_alias="templateID")
+    sandbox_id: str = Field(serialization_alias="sandboxID")
+    alias: str | None = None
+    client_id: str = Field(serialization_alias="clientID")
+    envd_version: str = Field(serialization_alias="envdVersion")
+    envd_access_token: str | None = Field(default=None, serialization_alias="envdAccessToken")
+    traffic_access_token: str | None = Field(default=None, serialization_alias="trafficAccessToken")
+    domain: str | None = None
+
+
+class SandboxLifecycle(_Response):
+    auto_resume: bool = Field(serialization_alias="autoResume")
+    on_timeout: Literal["kill", "pause"] = Field(serialization_alias="onTimeout")
+
+
+class NetworkInfo(_Response):
+    allow_public_traffic: bool = Field(default=True, serialization_alias="allowPublicTraffic")
+    allow_out: list[str] = Field(default_factory=list, serialization_alias="allowOut")
+    deny_out: list[str] = Field(default_factory=list, serialization_alias="denyOut")
+
+
+class ListedSandbox(_Response):
+    template_id: str = Field(serialization_alias="templateID")
+    alias: str | None = None
+    sandbox_id: str = Field(serialization_alias="sandboxID")
+    client_id: str = Field(serialization_alias="clientID")
+    started_at: dt.datetime = Field(serialization_alias="startedAt")
+    end_at: dt.datetime = Field(serialization_alias="endAt")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    memory_mb: int = Field(serialization_alias="memoryMB")
+    disk_size_mb: int = Field(serialization_alias="diskSizeMB")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    state: Literal["running", "paused"]
+    envd_version: str = Field(serialization_alias="envdVersion")
+    volume_mounts: list[dict[str, str]] = Field(default_factory=list, serialization_alias="volumeMounts")
+
+
+class SandboxDetail(ListedSandbox):
+    envd_access_token: str | None = Field(default=None, serialization_alias="envdAccessToken")
+    allow_internet_access: bool | None = Field(default=None, serialization_alias="allowInternetAccess")
+    domain: str | None = None
+    network: NetworkInfo | None = None
+    lifecycle: SandboxLifecycle | None = None
+
+
+class SandboxMetric(_Response):
+    timestamp: dt.datetime
+    timestamp_unix: int = Field(serialization_alias="timestampUnix")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    cpu_used_pct: float = Field(serialization_alias="cpuUsedPct")
+    mem_used: int = Field(serialization_alias="memUsed")
+    mem_total: int = Field(serialization_alias="memTotal")
+    mem_cache: int = Field(default=0, serialization_alias="memCache")
+    disk_used: int = Field(serialization_alias="diskUsed")
+    disk_total: int = Field(serialization_alias="diskTotal")
+
+
+class SandboxLog(_Response):
+    timestamp: dt.datetime
+    line: str
+
+
+class SandboxLogEntry(_Response):
+    timestamp: dt.datetime
+    message: str
+    level: Literal["debug", "info", "warn", "error"]
+    fields: dict[str, str] = Field(default_factory=dict)
+
+
+class Template(_Response):
+    template_id: str = Field(serialization_alias="templateID")
+    build_id: str = Field(serialization_alias="buildID")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    memory_mb: int = Field(serialization_alias="memoryMB")
+    disk_size_mb: int = Field(serialization_alias="diskSizeMB")
+    public: bool = True
+    aliases: list[str]
+    names: list[str]
+    created_at: dt.datetime = Field(serialization_alias="createdAt")
+    updated_at: dt.datetime = Field(serialization_alias="updatedAt")
+    created_by: None = Field(default=None, serialization_alias="createdBy")
+    last_spawned_at: dt.datetime | None = Field(default=None, serialization_alias="lastSpawnedAt")
+    spawn_count: int = Field(default=0, serialization_alias="spawnCount")
+    build_count: int = Field(default=1, serialization_alias="buildCount")
+    envd_version: str = Field(serialization_alias="envdVersion")
+    build_status: Literal["building", "waiting", "ready", "error"] = Field(
+        default="ready", serialization_alias="buildStatus"
+    )

@@ -1,0 +1,83 @@
+"""Template look-up for the orchestrator and the ``/templates`` endpoints.
+
+Templates are the directories ``storage.templates`` builds under ``settings.templates_dir``
+(``{data_dir}/templates`` unless ``AGENTENV_TEMPLATES_PATH`` points elsewhere, as tests do to
+share the cached base template).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.config import Settings
+from agentenv.runtime.base import TemplateImage
+from agentenv.storage import templates as storage
+
+
+class TemplateNotFound(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    image: TemplateImage
+    created_at: dt.datetime
+    build_id: str
+
+
+def _storage_settings(settings: Settings) -> Settings:
+    """Settings whose ``{data_dir}/templates`` is ``settings.templates_dir`` (storage derives the
+    templates directory from the data directory)."""
+    tdir = settings.templates_dir
+    if tdir == settings.data_dir / "templates":
+        return settings
+    if tdir.name != "templates":
+        raise TemplateNotFound(f"AGENTENV_TEMPLATES_PATH must end in 'templates', got {tdir}")
+    return settings.model_copy(update={"data_dir": tdir.parent})
+
+
+def load(template_id: str, settings: Settings) -> TemplateInfo:
+    """The built template ``template_id`` or :class:`TemplateNotFound`."""
+    st = _storage_settings(settings)
+    try:
+        image = storage.load_template(template_id, st)
+    except storage.TemplateError as exc:
+        raise TemplateNotFound(str(exc)) from None
+    return _info(image)
+
+
+def _info(image: TemplateImage) -> TemplateInfo:
+    tdir = image.rootfs.parent
+    meta_path = tdir / storage.METADATA_FILE
+    created = dt.datetime.fromtimestamp(meta_path.stat().st_mtime, dt.UTC)
+    try:
+        raw = json.loads(meta_path.read_text()).get("created_at")
+        if raw:
+            created = dt.datetime.fromisoformat(raw)
+    except (OSError, ValueError):
+        pass
+    # A stable build id per build: the completion marker's timestamp identifies the build.
+    marker: Path = tdir / storage.COMPLETE_MARKER
+    build_id = _uuid_from(marker.read_text().strip() if marker.exists() else image.template_id)
+    return TemplateInfo(image=image, created_at=created, build_id=build_id)
+
+
+def _uuid_from(text: str) -> str:
+    import uuid
+
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "agentenv-template-build:" + text))
+
+
+def list_all(settings: Settings) -> list[TemplateInfo]:
+    st = _storage_settings(settings)
+    out = []
+    for meta in storage.list_templates(st):
+        tid = str(meta.get("template_id", ""))
+        try:
+            out.append(load(tid, settings))
+        except TemplateNotFound:
+            continue
+    return out
