@@ -1,0 +1,221 @@
+"""Template root file systems, built once with debootstrap and shared read-only by sandboxes.
+
+Layout under ``{data_dir}/templates/<template_id>/``::
+
+    rootfs/         the finished tree (never modified after the build)
+    template.json   id and default limits (vcpus, memory, disk), build time
+    .complete       written last: a template without it is a half-built leftover
+
+A build happens in ``.rootfs.partial`` next to ``rootfs`` and is renamed into place, so a reader
+never sees a half-built tree; an interrupted build is removed and redone by the next build. An
+exclusive ``flock`` on ``.lock`` serialises concurrent builds (also across processes).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.config import Settings
+from agentenv.runtime.base import TemplateImage
+
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+SANDBOX_USER = "user"
+SANDBOX_UID = 1000
+COMPLETE_MARKER = ".complete"
+METADATA_FILE = "template.json"
+
+
+class TemplateError(Exception):
+    """A template is unknown, missing or failed to build."""
+
+
+@dataclass(frozen=True)
+class TemplateRecipe:
+    suite: str
+    packages: tuple[str, ...]
+    vcpus: int = 2
+    memory_mb: int = 512
+    disk_mb: int = 4096
+
+
+RECIPES: dict[str, TemplateRecipe] = {
+    "base": TemplateRecipe(
+        suite="bookworm",
+        packages=(
+            "bash", "coreutils", "python3", "git", "curl", "ca-certificates", "procps",
+            "iproute2", "sudo", "less", "findutils",
+        ),
+    ),
+}
+
+
+def templates_dir(settings: Settings) -> Path:
+    return settings.data_dir / "templates"
+
+
+def template_dir(template_id: str, settings: Settings) -> Path:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", template_id):
+        raise TemplateError(f"invalid template id {template_id!r}")
+    return templates_dir(settings) / template_id
+
+
+def is_built(template_id: str, settings: Settings) -> bool:
+    tdir = template_dir(template_id, settings)
+    return (tdir / COMPLETE_MARKER).is_file() and (tdir / "rootfs").is_dir()
+
+
+def load_template(template_id: str, settings: Settings) -> TemplateImage:
+    """The finished template, or :class:`TemplateError` when it is not (completely) built."""
+    tdir = template_dir(template_id, settings)
+    if not is_built(template_id, settings):
+        raise TemplateError(f"template {template_id!r} is not built (run: agentenv template build {template_id})")
+    meta = json.loads((tdir / METADATA_FILE).read_text())
+    return TemplateImage(
+        template_id=template_id,
+        rootfs=tdir / "rootfs",
+        vcpus=int(meta.get("vcpus", 2)),
+        memory_mb=int(meta.get("memory_mb", 512)),
+        disk_mb=int(meta.get("disk_mb", 4096)),
+        runtime=meta.get("runtime"),
+    )
+
+
+def list_templates(settings: Settings) -> list[dict[str, object]]:
+    """Metadata of every completely built template, sorted by id."""
+    root = templates_dir(settings)
+    if not root.is_dir():
+        return []
+    found = []
+    for tdir in sorted(root.iterdir()):
+        if tdir.is_dir() and is_built(tdir.name, settings):
+            found.append(json.loads((tdir / METADATA_FILE).read_text()))
+    return found
+
+
+def host_debian_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
+    """The Debian archive URI the host's apt uses (deb822 ``.sources`` or one-line ``.list``)."""
+    candidates = [*sorted((sources_dir / "sources.list.d").glob("*.sources"))]
+    for path in candidates:
+        for stanza in path.read_text().split("\n\n"):
+            fields = dict(
+                (k.strip().lower(), v.strip())
+                for k, _, v in (line.partition(":") for line in stanza.splitlines() if ":" in line)
+                if not k.startswith("#")
+            )
+            suites = fields.get("suites", "").split()
+            if any(s in ("bookworm", "stable") for s in suites) and "uris" in fields:
+                return fields["uris"].split()[0]
+    lists = [sources_dir / "sources.list", *sorted((sources_dir / "sources.list.d").glob("*.list"))]
+    for path in lists:
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            m = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+(bookworm|stable)\s", line)
+            if m:
+                return m.group(1)
+    return DEFAULT_MIRROR
+
+
+@contextmanager
+def _build_lock(tdir: Path) -> Iterator[None]:
+    tdir.mkdir(parents=True, exist_ok=True)
+    with open(tdir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _run(cmd: list[str], **kwargs: object) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise TemplateError(f"{cmd[0]} failed (exit {proc.returncode}): {tail}")
+
+
+def _debootstrap(recipe: TemplateRecipe, target: Path, mirror: str) -> None:
+    _run([
+        "debootstrap", "--variant=minbase", "--include=" + ",".join(recipe.packages),
+        recipe.suite, str(target), mirror,
+    ])
+
+
+def _configure_rootfs(root: Path) -> None:
+    """Make the tree sandbox-ready: the E2B default user, neutral host name, small caches."""
+    _run(["chroot", str(root), "groupadd", "--gid", str(SANDBOX_UID), SANDBOX_USER])
+    _run([
+        "chroot", str(root), "useradd", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        "--create-home", "--home-dir", f"/home/{SANDBOX_USER}", "--shell", "/bin/bash",
+        "--groups", "sudo", SANDBOX_USER,
+    ])
+    # Passwordless login for sudo, and no password at all (the account is locked for logins).
+    sudoers = root / "etc/sudoers.d" / SANDBOX_USER
+    sudoers.write_text(f"{SANDBOX_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+    sudoers.chmod(0o440)
+    (root / "etc/hostname").write_text("sandbox\n")
+    (root / "etc/hosts").write_text(
+        "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+    )
+    # The host's resolver address means nothing inside a sandbox network namespace.
+    resolv = root / "etc/resolv.conf"
+    if resolv.is_symlink() or resolv.exists():
+        resolv.unlink()
+    resolv.write_text("nameserver 1.1.1.1\nnameserver 8.8.8.8\n")
+    # Mount point of the read-only envd bundle.
+    (root / ".agentenv").mkdir(exist_ok=True)
+    for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        for entry in (root / cache).glob("*"):
+            if entry.is_file():
+                entry.unlink()
+
+
+def build_template(template_id: str, settings: Settings, *, force: bool = False) -> TemplateImage:
+    """Build ``template_id`` unless it is already completely built (then return at once)."""
+    recipe = RECIPES.get(template_id)
+    tdir = template_dir(template_id, settings)
+    if not force and is_built(template_id, settings):
+        return load_template(template_id, settings)
+    if recipe is None:
+        raise TemplateError(f"no build recipe for template {template_id!r} (known: {', '.join(RECIPES)})")
+    with _build_lock(tdir):
+        if not force and is_built(template_id, settings):  # built by someone else meanwhile
+            return load_template(template_id, settings)
+        started = time.monotonic()
+        (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
+        partial = tdir / ".rootfs.partial"
+        for leftover in (partial, tdir / "rootfs"):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        try:
+            _debootstrap(recipe, partial, host_debian_mirror())
+            _configure_rootfs(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        os.rename(partial, tdir / "rootfs")
+        meta = {
+            "template_id": template_id,
+            "vcpus": recipe.vcpus,
+            "memory_mb": recipe.memory_mb,
+            "disk_mb": recipe.disk_mb,
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            "build_seconds": round(time.monotonic() - started, 1),
+            "suite": recipe.suite,
+        }
+        tmp_meta = tdir / (METADATA_FILE + ".tmp")
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        os.rename(tmp_meta, tdir / METADATA_FILE)
+        (tdir / COMPLETE_MARKER).write_text(meta["created_at"] + "\n")  # type: ignore[operator]
+        return load_template(template_id, settings)
