@@ -61,7 +61,7 @@ RECIPES: dict[str, TemplateRecipe] = {
 
 
 def templates_dir(settings: Settings) -> Path:
-    return settings.data_dir / "templates"
+    return settings.templates_dir
 
 
 def template_dir(template_id: str, settings: Settings) -> Path:
@@ -79,7 +79,9 @@ def load_template(template_id: str, settings: Settings) -> TemplateImage:
     """The finished template, or :class:`TemplateError` when it is not (completely) built."""
     tdir = template_dir(template_id, settings)
     if not is_built(template_id, settings):
-        raise TemplateError(f"template {template_id!r} is not built (run: agentenv template build {template_id})")
+        raise TemplateError(
+            f"template {template_id!r} is not built (run: agentenv template build {template_id})"
+        )
     meta = json.loads((tdir / METADATA_FILE).read_text())
     return TemplateImage(
         template_id=template_id,
