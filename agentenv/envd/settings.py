@@ -1,0 +1,37 @@
+"""envd's own settings: command-line flags over ``AGENTENV_ENVD_*`` environment variables.
+
+envd must not import :mod:`agentenv.config` (it pulls pydantic-settings, too heavy for the
+read-only in-sandbox bundle), so the few shared constants are duplicated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+#: Same value as ``agentenv.config.ENVD_VERSION``; the SDK gates features on it (e2b/envd/versions.py).
+ENVD_VERSION = "0.6.4"
+#: Same value as ``agentenv.config.ENVD_PORT``.
+ENVD_PORT = 49983
+
+
+@dataclass
+class EnvdSettings:
+    host: str = "0.0.0.0"
+    port: int = ENVD_PORT
+    access_token: str | None = None
+    log_level: str = "warning"
+
+
+def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="envd", description="agentenv in-sandbox daemon (E2B envd)")
+    parser.add_argument("--host", default=env.get("AGENTENV_ENVD_HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(env.get("AGENTENV_ENVD_PORT", ENVD_PORT)))
+    parser.add_argument("--access-token", default=env.get("AGENTENV_ENVD_ACCESS_TOKEN") or None)
+    parser.add_argument("--log-level", default=env.get("AGENTENV_ENVD_LOG_LEVEL", "warning"))
+    args = parser.parse_args(argv)
+    return EnvdSettings(
+        host=args.host, port=args.port, access_token=args.access_token, log_level=args.log_level
+    )
