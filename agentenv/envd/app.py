@@ -2,19 +2,140 @@
 
 from __future__ import annotations
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
 
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agentenv.envd import metrics
+from agentenv.envd.files_http import download, error_response, upload
+from agentenv.envd.filesystem_service import FilesystemService
+from agentenv.envd.process_service import ProcessService
+from agentenv.envd.processes import ProcessTable
+from agentenv.envd.reaper import reap_orphans_forever
+from agentenv.envd.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_app, process_app
 from agentenv.envd.settings import EnvdSettings
+from agentenv.envd.signature import signature_grants
+from agentenv.envd.state import EnvdState
+
+_OPEN_PATHS = frozenset({"/health"})
+
+
+class AccessTokenMiddleware:
+    """Once a token is set (flag, env or ``/init``), everything but /health needs ``X-Access-Token``
+    (or, on /files, a valid v1 signature)."""
+
+    def __init__(self, app: ASGIApp, state: EnvdState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.state.access_token or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        if self.state.token_matches(request.headers.get("x-access-token")):
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/files" and signature_grants(request, self.state.access_token):
+            await self.app(scope, receive, send)
+            return
+        message = "missing or invalid access token (X-Access-Token)"
+        if scope["path"].startswith((f"/{PROCESS_SERVICE}/", f"/{FILESYSTEM_SERVICE}/")):
+            response: Response = JSONResponse(
+                {"code": "unauthenticated", "message": message}, status_code=401
+            )
+        else:
+            response = error_response(401, message)
+        await response(scope, receive, send)
 
 
 async def health(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def init(request: Request) -> Response:
+    state: EnvdState = request.app.state.envd
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error_response(400, f"invalid JSON body: {exc}")
+    if not isinstance(body, dict):
+        return error_response(400, "the /init body must be a JSON object")
+    env_vars = body.get("envVars")
+    if env_vars is not None and (
+        not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values())
+    ):
+        return error_response(400, "envVars must be an object of strings")
+    for key in ("accessToken", "defaultUser", "defaultWorkdir", "timestamp"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            return error_response(400, f"{key} must be a string")
+    if body.get("timestamp"):
+        try:
+            # gVisor and microVM guests take their clock from the host; the value is only checked.
+            datetime.fromisoformat(body["timestamp"].replace("Z", "+00:00"))
+        except ValueError:
+            return error_response(400, f"timestamp '{body['timestamp']}' is not RFC 3339")
+    if env_vars:
+        state.env_vars.update(env_vars)
+    if body.get("accessToken"):
+        state.access_token = body["accessToken"]
+    if body.get("defaultUser"):
+        state.default_user = body["defaultUser"]
+    if body.get("defaultWorkdir"):
+        state.default_workdir = body["defaultWorkdir"]
+    return Response(status_code=204)
+
+
+async def envs(request: Request) -> Response:
+    state: EnvdState = request.app.state.envd
+    return JSONResponse(state.env_vars)
+
+
+async def get_metrics(request: Request) -> Response:
+    sampler: metrics.CpuSampler = request.app.state.cpu
+    return JSONResponse(await asyncio.to_thread(metrics.collect, sampler))
+
+
 def create_app(settings: EnvdSettings) -> Starlette:
-    app = Starlette(routes=[Route("/health", health, methods=["GET"])])
-    app.state.settings = settings
+    state = EnvdState(access_token=settings.access_token)
+    table = ProcessTable()
+    filesystem = FilesystemService(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(reap_orphans_forever(table.pids))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            filesystem.close()
+            await table.shutdown()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/init", init, methods=["POST"]),
+            Route("/envs", envs, methods=["GET"]),
+            Route("/metrics", get_metrics, methods=["GET"]),
+            Route("/files", download, methods=["GET"]),
+            Route("/files", upload, methods=["POST"]),
+            Mount(f"/{PROCESS_SERVICE}", app=process_app(ProcessService(state, table))),
+            Mount(f"/{FILESYSTEM_SERVICE}", app=filesystem_app(filesystem)),
+        ],
+        middleware=[Middleware(AccessTokenMiddleware, state=state)],
+        lifespan=lifespan,
+    )
+    app.state.envd = state
+    app.state.cpu = metrics.CpuSampler()
+    app.state.started = time.time()
     return app

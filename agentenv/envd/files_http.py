@@ -1,0 +1,308 @@
+"""``GET /files`` (download) and ``POST /files`` (multipart or octet-stream upload), envd.yaml.
+
+Uploads stream into a temporary file next to the target, which is renamed over it only once the
+whole body arrived: a failed or aborted upload never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mimetypes
+import os
+import stat
+import urllib.parse
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+from agentenv.envd.entries import METADATA_XATTR_PREFIX, read_metadata
+from agentenv.envd.filesystem_service import chown_to, make_dirs
+from agentenv.envd.multipart import MultipartError, MultipartReader, boundary_from_content_type
+from agentenv.envd.state import EnvdState
+from agentenv.envd.users import UnknownUserError, User, resolve_path
+
+_WRITE_BATCH = 1024 * 1024
+_READ_CHUNK = 256 * 1024
+_METADATA_HEADER = "x-metadata-"
+_MAX_METADATA_KEY = 246
+_MAX_METADATA_TOTAL = 4096
+
+
+class HTTPFailure(Exception):
+    """An E2B-shaped error: ``{"code": <status>, "message": ...}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _state(request: Request) -> EnvdState:
+    state: EnvdState = request.app.state.envd
+    return state
+
+
+def _user(request: Request) -> User:
+    try:
+        return _state(request).user(request.query_params.get("username") or None)
+    except UnknownUserError as exc:
+        raise HTTPFailure(401, str(exc)) from None
+
+
+# --- download ------------------------------------------------------------------------------------
+def _accepts_gzip(accept_encoding: str) -> bool:
+    """True for gzip, False for identity; HTTPFailure 406 when neither is acceptable."""
+    weights: dict[str, float] = {}
+    for item in accept_encoding.split(","):
+        name, _, params = item.strip().partition(";")
+        if not name:
+            continue
+        q = 1.0
+        key, _, value = params.strip().partition("=")
+        if key == "q":
+            try:
+                q = float(value)
+            except ValueError:
+                q = 0.0
+        weights[name.strip().lower()] = q
+    if weights.get("gzip", 0.0) > 0:
+        return True
+    if weights.get("identity", weights.get("*", 1.0)) > 0 or not weights:
+        return False
+    raise HTTPFailure(406, "no acceptable encoding found, supported: [identity, gzip]")
+
+
+def _content_disposition(name: str) -> str:
+    try:
+        name.encode("ascii")
+        if '"' not in name and "\\" not in name:
+            return f'inline; filename="{name}"'
+    except UnicodeEncodeError:
+        pass
+    return f"inline; filename*=utf-8''{urllib.parse.quote(name)}"
+
+
+async def _gzip_stream(path: str) -> AsyncIterator[bytes]:
+    compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
+    with open(path, "rb") as f:  # noqa: ASYNC230 - reads run in a worker thread below
+        while chunk := await asyncio.to_thread(f.read, _READ_CHUNK):
+            if out := compressor.compress(chunk):
+                yield out
+    yield compressor.flush()
+
+
+async def download(request: Request) -> Response:
+    try:
+        user = _user(request)
+        raw_path = request.query_params.get("path")
+        if not raw_path:
+            raise HTTPFailure(400, "path is required")
+        path = resolve_path(raw_path, user)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise HTTPFailure(404, f"path '{path}' does not exist") from None
+        except OSError as exc:
+            raise HTTPFailure(500, f"error opening file '{path}': {exc.strerror}") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise HTTPFailure(400, f"path '{path}' is a directory")
+        if not os.access(path, os.R_OK):
+            raise HTTPFailure(500, f"error opening file '{path}': permission denied")
+        gzip = _accepts_gzip(request.headers.get("accept-encoding", ""))
+    except HTTPFailure as failure:
+        return error_response(failure.status, failure.message)
+    media_type = mimetypes.guess_type(path)[0] or "application/octet-stream"
+    headers = {"Content-Disposition": _content_disposition(os.path.basename(path))}
+    if gzip:
+        headers["Content-Encoding"] = "gzip"
+        headers["Vary"] = "Accept-Encoding"
+        return StreamingResponse(_gzip_stream(path), media_type=media_type, headers=headers)
+    return FileResponse(path, media_type=media_type, headers=headers, stat_result=st)
+
+
+# --- upload --------------------------------------------------------------------------------------
+def _metadata(request: Request) -> dict[str, str] | None:
+    """``X-Metadata-<key>`` headers (first value wins); None when the request sent none."""
+    found: dict[str, str] = {}
+    for raw_key, raw_value in request.headers.raw:
+        key = raw_key.decode("latin-1").lower()
+        if not key.startswith(_METADATA_HEADER):
+            continue
+        name = key.removeprefix(_METADATA_HEADER)
+        value = raw_value.decode("latin-1")
+        if not name or not all(0x20 <= ord(c) <= 0x7E for c in name + value):
+            raise HTTPFailure(400, f"metadata key '{name}' or its value is not printable US-ASCII")
+        if len(name) > _MAX_METADATA_KEY:
+            raise HTTPFailure(400, f"metadata key '{name[:32]}...' is longer than {_MAX_METADATA_KEY} bytes")
+        found.setdefault(name, value)
+    total = sum(len(METADATA_XATTR_PREFIX) + len(k) + len(v) for k, v in found.items())
+    if total > _MAX_METADATA_TOTAL:
+        raise HTTPFailure(400, f"metadata is larger than {_MAX_METADATA_TOTAL} bytes")
+    return found
+
+
+def _apply_metadata(path: str, metadata: dict[str, str]) -> None:
+    """Replace the file's ``user.e2b.*`` xattrs with ``metadata``."""
+    for old in read_metadata(path):
+        if old not in metadata:
+            os.removexattr(path, METADATA_XATTR_PREFIX + old)
+    for key, value in metadata.items():
+        os.setxattr(path, METADATA_XATTR_PREFIX + key, value.encode())
+
+
+class _Upload:
+    """One file being written: temp file beside the target, renamed into place by ``commit``."""
+
+    def __init__(self, target: str, user: User) -> None:
+        self.target = target
+        self.user = user
+        if os.path.isdir(target):
+            raise HTTPFailure(400, f"path '{target}' is a directory")
+        parent = os.path.dirname(target)
+        try:
+            make_dirs(parent, user)
+        except NotADirectoryError:
+            raise HTTPFailure(400, f"a parent of '{target}' is not a directory") from None
+        self.temp = os.path.join(parent, f".{os.path.basename(target)}.envd-upload-{os.urandom(6).hex()}")
+        self._file: BinaryIO = open(self.temp, "xb")
+        self._pending = bytearray()
+
+    async def write(self, chunk: bytes) -> None:
+        self._pending += chunk
+        if len(self._pending) >= _WRITE_BATCH:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if self._pending:
+            data, self._pending = bytes(self._pending), bytearray()
+            await asyncio.to_thread(self._file.write, data)
+
+    async def commit(self, metadata: dict[str, str]) -> None:
+        await self._flush()
+        self._file.close()
+        self._finish(metadata)
+
+    def _finish(self, metadata: dict[str, str]) -> None:
+        """Mode (kept from an overwritten file), owner and metadata, then the atomic rename."""
+        try:
+            mode = stat.S_IMODE(os.stat(self.target).st_mode)
+        except FileNotFoundError:
+            mode = 0o644
+        os.chmod(self.temp, mode)
+        chown_to(self.temp, self.user)
+        try:
+            _apply_metadata(self.temp, metadata)
+        except OSError as exc:
+            if metadata or exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+        os.replace(self.temp, self.target)
+
+    def abort(self) -> None:
+        self._file.close()
+        try:
+            os.unlink(self.temp)
+        except FileNotFoundError:
+            pass
+
+
+async def _receive_into(upload: _Upload, body: AsyncIterator[bytes], metadata: dict[str, str]) -> None:
+    try:
+        async for chunk in body:
+            await upload.write(chunk)
+        await upload.commit(metadata)
+    except BaseException:
+        upload.abort()
+        raise
+
+
+async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    decompressor = zlib.decompressobj(47)  # gzip or zlib header
+    try:
+        async for chunk in chunks:
+            if out := decompressor.decompress(chunk):
+                yield out
+        if tail := decompressor.flush():
+            yield tail
+    except zlib.error as exc:
+        raise HTTPFailure(400, f"invalid gzip body: {exc}") from None
+    if not decompressor.eof:
+        raise HTTPFailure(400, "invalid gzip body: truncated")
+
+
+def _written(path: str, metadata: dict[str, str]) -> dict[str, Any]:
+    info: dict[str, Any] = {"name": os.path.basename(path), "type": "file", "path": path}
+    if metadata:
+        info["metadata"] = metadata
+    return info
+
+
+async def _upload_octet_stream(
+    request: Request, user: User, metadata: dict[str, str]
+) -> list[dict[str, Any]]:
+    raw_path = request.query_params.get("path")
+    if not raw_path:
+        raise HTTPFailure(400, "the path query parameter is required for application/octet-stream uploads")
+    body: AsyncIterator[bytes] = request.stream()
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding == "gzip":
+        body = _gunzip(body)
+    elif encoding not in ("", "identity"):
+        raise HTTPFailure(400, f"unsupported Content-Encoding '{encoding}', supported: [identity, gzip]")
+    path = resolve_path(raw_path, user)
+    await _receive_into(_Upload(path, user), body, metadata)
+    return [_written(path, metadata)]
+
+
+async def _upload_multipart(
+    request: Request, user: User, metadata: dict[str, str], content_type: str
+) -> list[dict[str, Any]]:
+    reader = MultipartReader(request.stream(), boundary_from_content_type(content_type))
+    path_param = request.query_params.get("path")
+    written: list[dict[str, Any]] = []
+    async for part, body in reader.parts():
+        if part.name != "file":
+            continue
+        raw_path = path_param or part.filename
+        if not raw_path:
+            raise HTTPFailure(400, "a file part has no filename and no path query parameter was given")
+        path = resolve_path(raw_path, user)
+        await _receive_into(_Upload(path, user), body, metadata)
+        written.append(_written(path, metadata))
+    if not written:
+        raise HTTPFailure(400, "the multipart body has no 'file' part")
+    return written
+
+
+async def upload(request: Request) -> Response:
+    try:
+        user = _user(request)
+        metadata = _metadata(request) or {}
+        content_type = request.headers.get("content-type", "")
+        kind = content_type.split(";")[0].strip().lower()
+        if kind == "multipart/form-data":
+            written = await _upload_multipart(request, user, metadata, content_type)
+        elif kind in ("application/octet-stream", ""):
+            written = await _upload_octet_stream(request, user, metadata)
+        else:
+            raise HTTPFailure(
+                400, f"unsupported Content-Type '{kind}', use multipart/form-data or application/octet-stream"
+            )
+    except HTTPFailure as failure:
+        return error_response(failure.status, failure.message)
+    except MultipartError as exc:
+        return error_response(400, f"invalid multipart body: {exc}")
+    except ClientDisconnect:
+        return error_response(400, "the client went away before the upload completed")
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error_response(507, "not enough disk space available")
+        return error_response(500, f"error writing file: {exc.strerror or exc}")
+    return JSONResponse(written)

@@ -1,0 +1,311 @@
+"""``filesystem.Filesystem``: Stat, MakeDir, Move, ListDir, Remove, WatchDir and polled watchers.
+
+envd runs as root and acts on the file system as itself; what it creates is handed to the
+requesting user (chown), as E2B's envd does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from protobuf import Oneof
+
+from agentenv.envd.entries import entry_from_stat, entry_info, os_error_to_connect
+from agentenv.envd.inotify import DirectoryWatcher, WatchEvent
+from agentenv.envd.proto.filesystem_pb import (
+    CreateWatcherRequest,
+    CreateWatcherResponse,
+    EntryInfo,
+    FilesystemEvent,
+    GetWatcherEventsRequest,
+    GetWatcherEventsResponse,
+    ListDirRequest,
+    ListDirResponse,
+    MakeDirRequest,
+    MakeDirResponse,
+    MoveRequest,
+    MoveResponse,
+    RemoveRequest,
+    RemoveResponse,
+    RemoveWatcherRequest,
+    RemoveWatcherResponse,
+    StatRequest,
+    StatResponse,
+    WatchDirRequest,
+    WatchDirResponse,
+)
+from agentenv.envd.rpc_common import keepalive_interval, request_user, with_keepalives
+from agentenv.envd.state import EnvdState
+from agentenv.envd.users import User, resolve_path
+
+_KEEPALIVE = WatchDirResponse(event=Oneof("keepalive", WatchDirResponse.KeepAlive()))
+#: File systems whose change notifications are unreliable; watching them needs allow_network_mounts.
+_NETWORK_FS_TYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse", "sshfs"})
+#: Polled watchers keep at most this many undelivered events (oldest dropped first).
+_MAX_BUFFERED_EVENTS = 10_000
+
+
+def make_dirs(path: str, user: User) -> None:
+    """``mkdir -p`` that hands every directory it creates to ``user``."""
+    missing: list[str] = []
+    current = path
+    while not os.path.lexists(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            continue
+        chown_to(directory, user)
+
+
+def _move(source: str, destination: str, user: User) -> None:
+    try:
+        os.lstat(source)
+    except OSError as exc:
+        raise os_error_to_connect(exc, source) from None
+    try:
+        make_dirs(os.path.dirname(destination), user)
+        os.rename(source, destination)
+    except OSError as exc:
+        raise os_error_to_connect(exc, destination) from None
+
+
+def chown_to(path: str, user: User) -> None:
+    if os.geteuid() == 0:
+        os.chown(path, user.uid, user.gid, follow_symlinks=False)
+
+
+def _fs_type(path: str) -> str:
+    """Type of the mount holding ``path`` (longest mount point prefix in /proc/self/mountinfo)."""
+    best, best_type = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                left, _, right = line.partition(" - ")
+                fields, rfields = left.split(), right.split()
+                if len(fields) < 5 or not rfields:
+                    continue
+                mount_point = fields[4].replace("\\040", " ")
+                inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, rfields[0]
+    except OSError:
+        return ""
+    return best_type
+
+
+class _Watch:
+    """One inotify watcher feeding either a WatchDir stream or a polled event buffer."""
+
+    def __init__(self, root: str, recursive: bool, include_entry: bool) -> None:
+        self.queue: asyncio.Queue[FilesystemEvent | None] = asyncio.Queue()
+        self.buffer: list[FilesystemEvent] = []
+        self.polled = False
+        self._include_entry = include_entry
+        self.watcher = DirectoryWatcher(root, recursive, self._on_event)
+
+    def _on_event(self, event: WatchEvent) -> None:
+        fs_event = FilesystemEvent(name=event.name, type=event.type)
+        if self._include_entry:
+            try:
+                fs_event.entry = entry_from_stat(event.path, os.lstat(event.path))
+            except OSError:
+                pass  # removed or renamed away: no entry to describe
+        if self.polled:
+            self.buffer.append(fs_event)
+            del self.buffer[:-_MAX_BUFFERED_EVENTS]
+        else:
+            self.queue.put_nowait(fs_event)
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.queue.put_nowait(None)
+
+
+class FilesystemService:
+    def __init__(self, state: EnvdState) -> None:
+        self._state = state
+        self._watchers: dict[str, _Watch] = {}
+
+    def _path(self, path: str, ctx: RequestContext[Any, Any]) -> tuple[str, User]:
+        if not path:
+            raise ConnectError(Code.INVALID_ARGUMENT, "path is required")
+        user = request_user(self._state, ctx)
+        return resolve_path(path, user), user
+
+    async def stat(
+        self, request: StatRequest, ctx: RequestContext[StatRequest, StatResponse]
+    ) -> StatResponse:
+        path, _ = self._path(request.path, ctx)
+        return StatResponse(entry=entry_info(path))
+
+    async def make_dir(
+        self, request: MakeDirRequest, ctx: RequestContext[MakeDirRequest, MakeDirResponse]
+    ) -> MakeDirResponse:
+        path, user = self._path(request.path, ctx)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise os_error_to_connect(exc, path) from None
+        else:
+            # The SDK's make_dir returns False on ALREADY_EXISTS.
+            if stat.S_ISDIR(st.st_mode):
+                raise ConnectError(Code.ALREADY_EXISTS, f"directory '{path}' already exists")
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, f"path '{path}' already exists but it is not a directory"
+            )
+        try:
+            make_dirs(path, user)
+        except OSError as exc:
+            raise os_error_to_connect(exc, path) from None
+        return MakeDirResponse(entry=entry_info(path))
+
+    async def move(
+        self, request: MoveRequest, ctx: RequestContext[MoveRequest, MoveResponse]
+    ) -> MoveResponse:
+        source, user = self._path(request.source, ctx)
+        if not request.destination:
+            raise ConnectError(Code.INVALID_ARGUMENT, "destination is required")
+        destination = resolve_path(request.destination, user)
+        _move(source, destination, user)
+        return MoveResponse(entry=entry_info(destination))
+
+    async def list_dir(
+        self, request: ListDirRequest, ctx: RequestContext[ListDirRequest, ListDirResponse]
+    ) -> ListDirResponse:
+        path, _ = self._path(request.path, ctx)
+        depth = request.depth or 1
+        try:
+            st = os.stat(path)  # a symlink to a directory lists the directory
+        except OSError as exc:
+            raise os_error_to_connect(exc, path) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
+        entries: list[EntryInfo] = []
+        _walk(path, depth, entries)
+        return ListDirResponse(entries=entries)
+
+    async def remove(
+        self, request: RemoveRequest, ctx: RequestContext[RemoveRequest, RemoveResponse]
+    ) -> RemoveResponse:
+        path, _ = self._path(request.path, ctx)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                await asyncio.to_thread(shutil.rmtree, path)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            raise os_error_to_connect(exc, path) from None
+        return RemoveResponse()
+
+    # --- watching ------------------------------------------------------------------------------
+    def _open_watch(
+        self, path: str, recursive: bool, include_entry: bool, allow_network_mounts: bool
+    ) -> _Watch:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise os_error_to_connect(exc, path) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
+        fs_type = _fs_type(os.path.realpath(path))
+        if not allow_network_mounts and fs_type.split(".")[0] in _NETWORK_FS_TYPES:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"path '{path}' is on a network file system ({fs_type}); "
+                "set allow_network_mounts to watch it",
+            )
+        try:
+            return _Watch(path, recursive, include_entry)
+        except OSError as exc:
+            raise os_error_to_connect(exc, path) from None
+
+    async def watch_dir(
+        self, request: WatchDirRequest, ctx: RequestContext[WatchDirRequest, WatchDirResponse]
+    ) -> AsyncIterator[WatchDirResponse]:
+        path, _ = self._path(request.path, ctx)
+        watch = self._open_watch(path, request.recursive, request.include_entry, request.allow_network_mounts)
+        try:
+            yield WatchDirResponse(event=Oneof("start", WatchDirResponse.StartEvent()))
+            events = with_keepalives(watch.queue, keepalive_interval(ctx), None)
+            async for event in events:
+                if event is None:
+                    yield _KEEPALIVE
+                else:
+                    yield WatchDirResponse(event=Oneof("filesystem", event))
+        finally:
+            watch.close()
+
+    async def create_watcher(
+        self, request: CreateWatcherRequest, ctx: RequestContext[CreateWatcherRequest, CreateWatcherResponse]
+    ) -> CreateWatcherResponse:
+        path, _ = self._path(request.path, ctx)
+        watch = self._open_watch(path, request.recursive, request.include_entry, request.allow_network_mounts)
+        watch.polled = True
+        watcher_id = uuid.uuid4().hex
+        self._watchers[watcher_id] = watch
+        return CreateWatcherResponse(watcher_id=watcher_id)
+
+    async def get_watcher_events(
+        self,
+        request: GetWatcherEventsRequest,
+        ctx: RequestContext[GetWatcherEventsRequest, GetWatcherEventsResponse],
+    ) -> GetWatcherEventsResponse:
+        watch = self._watcher(request.watcher_id)
+        events, watch.buffer = watch.buffer, []
+        return GetWatcherEventsResponse(events=events)
+
+    async def remove_watcher(
+        self, request: RemoveWatcherRequest, ctx: RequestContext[RemoveWatcherRequest, RemoveWatcherResponse]
+    ) -> RemoveWatcherResponse:
+        self._watcher(request.watcher_id).close()
+        del self._watchers[request.watcher_id]
+        return RemoveWatcherResponse()
+
+    def _watcher(self, watcher_id: str) -> _Watch:
+        watch = self._watchers.get(watcher_id)
+        if watch is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher '{watcher_id}' not found")
+        return watch
+
+    def close(self) -> None:
+        for watch in self._watchers.values():
+            watch.close()
+        self._watchers.clear()
+
+
+def _walk(directory: str, depth: int, out: list[EntryInfo]) -> None:
+    """Entries below ``directory`` down to ``depth`` levels, sorted by name (like filepath.WalkDir)."""
+    try:
+        with os.scandir(directory) as it:
+            children = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        raise os_error_to_connect(exc, directory) from None
+    for child in children:
+        try:
+            st = child.stat(follow_symlinks=False)
+        except OSError:
+            continue  # vanished while listing
+        out.append(entry_from_stat(child.path, st))
+        if depth > 1 and stat.S_ISDIR(st.st_mode):
+            try:
+                _walk(child.path, depth - 1, out)
+            except ConnectError:
+                continue  # an unreadable subdirectory is listed, just not descended into

@@ -1,0 +1,152 @@
+"""Directory watching with inotify through ctypes (no extra dependency; gVisor implements inotify).
+
+One inotify instance per watcher. Recursive watchers add a watch for every directory below the
+root, and for directories created (or moved in) later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agentenv.envd.proto.filesystem_pb import EventType
+
+IN_MODIFY = 0x00000002
+IN_ATTRIB = 0x00000004
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
+IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
+IN_ISDIR = 0x40000000
+IN_NONBLOCK = 0o4000
+IN_CLOEXEC = 0o2000000
+
+_WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
+_HEADER = struct.Struct("iIII")
+
+# Same order of precedence as fsnotify, which Go's envd uses.
+_EVENT_TYPES = (
+    (IN_CREATE | IN_MOVED_TO, EventType.CREATE),
+    (IN_MODIFY, EventType.WRITE),
+    (IN_DELETE | IN_DELETE_SELF, EventType.REMOVE),
+    (IN_MOVED_FROM | IN_MOVE_SELF, EventType.RENAME),
+    (IN_ATTRIB, EventType.CHMOD),
+)
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        _libc.inotify_init1.argtypes = [ctypes.c_int]
+        _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+    return _libc
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """``name`` is relative to the watched root, as envd reports it."""
+
+    name: str
+    path: str
+    type: EventType
+
+
+class DirectoryWatcher:
+    def __init__(self, root: str, recursive: bool, on_event: Callable[[WatchEvent], None]) -> None:
+        self.root = root
+        self._recursive = recursive
+        self._on_event = on_event
+        self._fd = _check(_lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
+        self._dirs: dict[int, str] = {}
+        self._closed = False
+        try:
+            self._add_tree(root)
+            asyncio.get_running_loop().add_reader(self._fd, self._read)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _add(self, path: str) -> None:
+        wd = _check(_lib().inotify_add_watch(self._fd, os.fsencode(path), _WATCH_MASK), f"watch '{path}'")
+        self._dirs[wd] = path
+
+    def _add_tree(self, path: str) -> None:
+        self._add(path)
+        if not self._recursive:
+            return
+        for dirpath, dirnames, _ in os.walk(path):
+            for name in dirnames:
+                sub = os.path.join(dirpath, name)
+                if not os.path.islink(sub):
+                    try:
+                        self._add(sub)
+                    except OSError:
+                        pass  # gone already, or unreadable: nothing to watch there
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self._fd, 64 * 1024)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno == errno.EBADF:
+                return
+            raise
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+            raw_name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
+            offset += _HEADER.size + length
+            self._handle(wd, mask, os.fsdecode(raw_name))
+
+    def _handle(self, wd: int, mask: int, name: str) -> None:
+        if mask & IN_IGNORED:
+            self._dirs.pop(wd, None)
+            return
+        base = self._dirs.get(wd)
+        if base is None:
+            return
+        path = os.path.join(base, name) if name else base
+        if self._recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
+            try:
+                self._add_tree(path)
+            except OSError:
+                pass
+        if path == self.root and mask & (IN_DELETE_SELF | IN_MOVE_SELF) == 0:
+            return
+        for bits, event_type in _EVENT_TYPES:
+            if mask & bits:
+                rel = os.path.relpath(path, self.root)
+                self._on_event(WatchEvent(name="" if rel == "." else rel, path=path, type=event_type))
+                return
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.get_running_loop().remove_reader(self._fd)
+        except RuntimeError:
+            pass
+        os.close(self._fd)

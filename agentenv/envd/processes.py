@@ -1,0 +1,329 @@
+"""Running processes: spawn (pipes or a PTY), fan output out to every attached stream, input, signals.
+
+A process outlives the stream that started it: closing a Start stream (a background command whose
+handle was dropped) only unsubscribes that stream. The process leaves the table once it has exited
+and its end event went out to every subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import pty
+import signal
+import struct
+import termios
+import time
+from dataclasses import dataclass, field
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from protobuf import Oneof
+
+from agentenv.envd.proto.process_pb import ProcessConfig, ProcessEvent
+from agentenv.envd.users import User
+
+_READ_CHUNK = 64 * 1024
+#: After the main process exits, output still buffered in the pipes is drained; a grandchild that
+#: keeps the pipe open (``cmd &``) must not hold the end event back, so draining stops once output
+#: pauses this long, and after _DRAIN_MAX at the latest.
+_DRAIN_IDLE = 0.15
+_DRAIN_MAX = 3.0
+
+
+def _set_controlling_tty() -> None:  # runs in the child between fork and exec
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _set_winsize(fd: int, cols: int, rows: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def describe_exit(returncode: int) -> ProcessEvent.EndEvent:
+    """End event with Go's ProcessState wording (``exit status 1``, ``signal: killed``)."""
+    if returncode >= 0:
+        status = f"exit status {returncode}"
+        end = ProcessEvent.EndEvent(exit_code=returncode, exited=True, status=status)
+        if returncode != 0:
+            end.error = status
+        return end
+    signum = -returncode
+    try:
+        name = (signal.strsignal(signum) or f"signal {signum}").lower()
+    except ValueError:
+        name = f"signal {signum}"
+    status = f"signal: {name}"
+    return ProcessEvent.EndEvent(exit_code=-1, exited=False, status=status, error=status)
+
+
+def _data_event(stream: str, chunk: bytes) -> ProcessEvent:
+    return ProcessEvent(event=Oneof("data", ProcessEvent.DataEvent(output=Oneof(stream, chunk))))  # type: ignore[arg-type]
+
+
+@dataclass(eq=False)
+class ManagedProcess:
+    config: ProcessConfig
+    tag: str | None
+    proc: asyncio.subprocess.Process
+    pty_fd: int | None
+    subscribers: set[asyncio.Queue[ProcessEvent | None]] = field(default_factory=set)
+    end: ProcessEvent | None = None
+    _last_output: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def subscribe(self) -> asyncio.Queue[ProcessEvent | None]:
+        queue: asyncio.Queue[ProcessEvent | None] = asyncio.Queue()
+        if self.end is not None:  # exited between lookup and attach: hand over the end at once
+            queue.put_nowait(self.end)
+            queue.put_nowait(None)
+        else:
+            self.subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[ProcessEvent | None]) -> None:
+        self.subscribers.discard(queue)
+
+    def publish(self, event: ProcessEvent) -> None:
+        for queue in self.subscribers:
+            queue.put_nowait(event)
+
+    def output(self, stream: str, chunk: bytes) -> None:
+        self._last_output = time.monotonic()
+        self.publish(_data_event(stream, chunk))
+
+    # --- input ---------------------------------------------------------------------------------
+    async def write_stdin(self, data: bytes) -> None:
+        if self.pty_fd is not None:  # a PTY has one input: the terminal
+            await self.write_pty(data)
+            return
+        writer = self.proc.stdin
+        if writer is None:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"stdin of process {self.pid} is not enabled (start it with stdin=True)",
+            )
+        if writer.is_closing():
+            raise ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {self.pid} is closed")
+        try:
+            writer.write(data)
+            await writer.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {self.pid} is closed") from None
+
+    async def write_pty(self, data: bytes) -> None:
+        if self.pty_fd is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {self.pid} has no PTY")
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(self.pty_fd, view)
+            except BlockingIOError:
+                await asyncio.sleep(0.005)  # terminal input buffer full: let the program read
+                continue
+            except OSError as exc:
+                raise ConnectError(Code.FAILED_PRECONDITION, f"PTY of process {self.pid}: {exc}") from None
+            view = view[written:]
+
+    def close_stdin(self) -> None:
+        if self.pty_fd is not None:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                "closing stdin is not supported for PTY processes; send Ctrl+D (0x04) instead",
+            )
+        writer = self.proc.stdin
+        if writer is None:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"stdin of process {self.pid} is not enabled (start it with stdin=True)",
+            )
+        writer.close()
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self.pty_fd is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {self.pid} has no PTY to resize")
+        if cols <= 0 or rows <= 0:
+            raise ConnectError(Code.INVALID_ARGUMENT, "PTY size needs cols and rows greater than 0")
+        _set_winsize(self.pty_fd, cols, rows)
+
+    def send_signal(self, signum: int) -> None:
+        if self.end is not None:
+            return
+        # Each process leads its own session, so the group takes the command's children with it.
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+        except PermissionError:
+            os.kill(self.pid, signum)
+
+
+class ProcessTable:
+    def __init__(self) -> None:
+        self._by_pid: dict[int, ManagedProcess] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._spawning = 0
+
+    def list(self) -> list[ManagedProcess]:
+        return list(self._by_pid.values())
+
+    def pids(self) -> set[int] | None:
+        """Pids envd waits for itself; None while a spawn is in flight (see reaper)."""
+        return None if self._spawning else set(self._by_pid)
+
+    def find(self, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
+        if pid is not None:
+            found = self._by_pid.get(pid)
+            if found is not None:
+                return found
+            raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
+        for proc in self._by_pid.values():
+            if tag is not None and proc.tag == tag:
+                return proc
+        raise ConnectError(Code.NOT_FOUND, f"process with tag '{tag}' not found")
+
+    async def start(
+        self,
+        config: ProcessConfig,
+        *,
+        user: User,
+        cwd: str,
+        env: dict[str, str],
+        tag: str | None,
+        stdin: bool,
+        pty_size: tuple[int, int] | None,
+    ) -> ManagedProcess:
+        """Spawn and register. No output is read before the caller's next await, so a caller
+        that subscribes right away sees everything."""
+        identity = _identity_kwargs(user)
+        master: int | None = None
+        self._spawning += 1
+        try:
+            if pty_size is not None:
+                master, slave = pty.openpty()
+                try:
+                    _set_winsize(slave, *pty_size)
+                    proc = await asyncio.create_subprocess_exec(
+                        config.cmd,
+                        *config.args,
+                        stdin=slave,
+                        stdout=slave,
+                        stderr=slave,
+                        cwd=cwd,
+                        env=env,
+                        start_new_session=True,
+                        preexec_fn=_set_controlling_tty,
+                        **identity,
+                    )
+                finally:
+                    os.close(slave)
+                os.set_blocking(master, False)
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    config.cmd,
+                    *config.args,
+                    stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                    **identity,
+                )
+        except OSError as exc:
+            if master is not None:
+                os.close(master)
+            raise ConnectError(Code.INVALID_ARGUMENT, f"failed to start '{config.cmd}': {exc}") from None
+        finally:
+            self._spawning -= 1
+        managed = ManagedProcess(config=config, tag=tag, proc=proc, pty_fd=master)
+        self._by_pid[proc.pid] = managed
+        task = asyncio.create_task(self._supervise(managed), name=f"envd-process-{proc.pid}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return managed
+
+    async def _supervise(self, managed: ManagedProcess) -> None:
+        readers = _start_readers(managed)
+        try:
+            returncode = await managed.proc.wait()
+            await _drain(managed, readers)
+        finally:
+            for reader in readers:
+                reader.cancel()
+            if managed.pty_fd is not None:
+                asyncio.get_running_loop().remove_reader(managed.pty_fd)
+                os.close(managed.pty_fd)
+                managed.pty_fd = None
+            if managed.proc.stdin is not None:
+                managed.proc.stdin.close()
+        managed.end = ProcessEvent(event=Oneof("end", describe_exit(returncode)))
+        managed.publish(managed.end)
+        for queue in managed.subscribers:
+            queue.put_nowait(None)
+        managed.subscribers.clear()
+        self._by_pid.pop(managed.pid, None)
+
+    async def shutdown(self) -> None:
+        for managed in self.list():
+            managed.send_signal(signal.SIGKILL)
+
+
+def _identity_kwargs(user: User) -> dict[str, object]:
+    """Drop to the user only when envd may (root); a non-root envd runs everything as itself."""
+    if os.geteuid() != 0:
+        return {}
+    return {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+
+
+def _start_readers(managed: ManagedProcess) -> list[asyncio.Task[None]]:
+    if managed.pty_fd is not None:
+        return [asyncio.create_task(_read_pty(managed, managed.pty_fd))]
+    readers = []
+    for name, stream in (("stdout", managed.proc.stdout), ("stderr", managed.proc.stderr)):
+        if stream is not None:
+            readers.append(asyncio.create_task(_read_pipe(managed, name, stream)))
+    return readers
+
+
+async def _read_pipe(managed: ManagedProcess, name: str, stream: asyncio.StreamReader) -> None:
+    while chunk := await stream.read(_READ_CHUNK):
+        managed.output(name, chunk)
+
+
+async def _read_pty(managed: ManagedProcess, fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    readable = asyncio.Event()
+    loop.add_reader(fd, readable.set)
+    try:
+        while True:
+            await readable.wait()
+            readable.clear()
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EIO:  # every slave end closed: the terminal hung up
+                    return
+                raise
+            if not chunk:
+                return
+            managed.output("pty", chunk)
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _drain(managed: ManagedProcess, readers: list[asyncio.Task[None]]) -> None:
+    deadline = time.monotonic() + _DRAIN_MAX
+    pending = {r for r in readers if not r.done()}
+    while pending and time.monotonic() < deadline:
+        _, pending = await asyncio.wait(pending, timeout=_DRAIN_IDLE)
+        if time.monotonic() - managed._last_output >= _DRAIN_IDLE:
+            break

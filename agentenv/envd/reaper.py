@@ -1,0 +1,53 @@
+"""Zombie reaping when envd is the sandbox's PID 1.
+
+Orphaned grandchildren (``cmd &`` whose shell exited) are re-parented to PID 1, which must wait()
+for them. A blanket waitpid(-1) would steal exit statuses asyncio waits for, so only zombies that
+are not envd's own managed children are reaped, by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+
+_INTERVAL = 2.0
+
+
+def _zombie_children(parent: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) >= 2 and fields[0] == "Z" and int(fields[1]) == parent:
+            found.append(int(name))
+    return found
+
+
+def reap_once(managed: Callable[[], set[int] | None]) -> int:
+    """``managed()`` is None while a spawn is in flight (its pid is not known yet): skip then."""
+    reaped = 0
+    own = managed()
+    if own is None:
+        return 0
+    for pid in _zombie_children(os.getpid()):
+        if pid in own:
+            continue
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped += 1
+    return reaped
+
+
+async def reap_orphans_forever(managed: Callable[[], set[int] | None]) -> None:
+    if os.getpid() != 1:
+        return
+    while True:
+        await asyncio.sleep(_INTERVAL)
+        reap_once(managed)

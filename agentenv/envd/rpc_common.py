@@ -1,0 +1,55 @@
+"""Bits every Connect handler needs: the acting user, keepalive pacing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+
+from agentenv.envd.state import EnvdState
+from agentenv.envd.users import UnknownUserError, User, username_from_authorization
+
+#: The SDK asks for this interval in seconds (e2b.connection_config.KEEPALIVE_PING_HEADER).
+KEEPALIVE_HEADER = "keepalive-ping-interval"
+DEFAULT_KEEPALIVE_SECONDS = 50.0
+_MIN_KEEPALIVE_SECONDS = 0.5
+
+T = TypeVar("T")
+
+
+def request_user(state: EnvdState, ctx: RequestContext[Any, Any]) -> User:
+    try:
+        return state.user(username_from_authorization(ctx.request_headers.get("authorization")))
+    except UnknownUserError as exc:
+        raise ConnectError(Code.UNAUTHENTICATED, str(exc)) from None
+
+
+def keepalive_interval(ctx: RequestContext[Any, Any]) -> float:
+    raw = ctx.request_headers.get(KEEPALIVE_HEADER)
+    if not raw:
+        return DEFAULT_KEEPALIVE_SECONDS
+    try:
+        return max(_MIN_KEEPALIVE_SECONDS, float(raw))
+    except ValueError:
+        return DEFAULT_KEEPALIVE_SECONDS
+
+
+async def with_keepalives(queue: asyncio.Queue[T | None], interval: float, keepalive: T) -> AsyncIterator[T]:
+    """Items of ``queue`` until its ``None`` sentinel, with ``keepalive`` whenever it is quiet.
+
+    Keepalives also let the Connect server notice a client that went away (it checks for a
+    disconnect each time a message is sent).
+    """
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout=interval)
+        except TimeoutError:
+            yield keepalive
+            continue
+        if item is None:
+            return
+        yield item

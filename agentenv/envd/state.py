@@ -1,0 +1,44 @@
+"""envd's mutable state: what ``POST /init`` set (env vars, token, default user and workdir)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass, field
+
+from agentenv.envd.users import User, default_user_name, lookup_user
+
+#: envd's own configuration variables must not leak into user processes.
+_PRIVATE_ENV_PREFIX = "AGENTENV_ENVD_"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass
+class EnvdState:
+    access_token: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+    def token_matches(self, presented: str | None) -> bool:
+        if not self.access_token:
+            return True
+        if presented is None:
+            return False
+        return hmac.compare_digest(presented.encode(), self.access_token.encode())
+
+    def user(self, requested: str | None) -> User:
+        """The named user, or the default one; raises UnknownUserError."""
+        return lookup_user(requested or default_user_name(self.default_user))
+
+    def workdir(self, user: User) -> str:
+        return self.default_workdir or user.home
+
+    def process_env(self, user: User, overrides: dict[str, str]) -> dict[str, str]:
+        """envd's environment < user identity < ``/init`` envVars < the request's envs."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIX)}
+        env.setdefault("PATH", DEFAULT_PATH)
+        env.update(HOME=user.home, USER=user.name, LOGNAME=user.name, SHELL=user.shell)
+        env.update(self.env_vars)
+        env.update(overrides)
+        return env

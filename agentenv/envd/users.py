@@ -1,0 +1,82 @@
+"""Who a request acts as, and where its relative paths point.
+
+The SDK names the user in ``Authorization: Basic base64("<user>:")`` on RPCs (e2b/envd/utils.py
+``authentication_header``) and in the ``username`` query parameter on ``/files``. No header means
+"the sandbox's default user".
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import pwd
+from dataclasses import dataclass
+
+#: The user E2B templates create (uid 1000, home /home/user); used when it exists.
+TEMPLATE_USER = "user"
+
+
+class UnknownUserError(LookupError):
+    """The requested user does not exist in the sandbox (or the header naming it is unreadable)."""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    shell: str
+
+    @property
+    def groups(self) -> list[int]:
+        try:
+            return os.getgrouplist(self.name, self.gid)
+        except OSError:
+            return [self.gid]
+
+
+def lookup_user(name: str) -> User:
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise UnknownUserError(f"error looking up user '{name}': user: unknown user {name}") from None
+    return User(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/", entry.pw_shell or "/bin/sh")
+
+
+def default_user_name(configured: str | None) -> str:
+    """``/init``'s ``defaultUser`` if set, else ``user`` when the template has it, else root."""
+    if configured:
+        return configured
+    try:
+        pwd.getpwnam(TEMPLATE_USER)
+    except KeyError:
+        return "root"
+    return TEMPLATE_USER
+
+
+def username_from_authorization(header: str | None) -> str | None:
+    """The user named by an ``Authorization: Basic`` header, or None when there is none."""
+    if not header:
+        return None
+    scheme, _, credentials = header.partition(" ")
+    if scheme.lower() != "basic":
+        raise UnknownUserError(f"unsupported authorization scheme '{scheme}', expected Basic")
+    try:
+        decoded = base64.b64decode(credentials.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise UnknownUserError("invalid Basic authorization header") from None
+    name = decoded.partition(":")[0]
+    return name or None
+
+
+def resolve_path(path: str, user: User) -> str:
+    """Absolute, normalised path; relative paths and ``~`` resolve against the user's home."""
+    if path == "~":
+        path = user.home
+    elif path.startswith("~/"):
+        path = os.path.join(user.home, path[2:])
+    elif not path.startswith("/"):
+        path = os.path.join(user.home, path)
+    return os.path.normpath(path)
