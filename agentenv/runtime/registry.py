@@ -49,12 +49,32 @@ def get_runtime(name: str, settings: Settings) -> Runtime:
     return cls(settings)  # type: ignore[call-arg]  # every concrete runtime takes the settings
 
 
-def kvm_unusable_reason(device: str = "/dev/kvm") -> str | None:
-    """None when ``device`` is a KVM that can run hardware-virtualised guests, else why not.
+def kvm_unusable_reason(device: str = "/dev/kvm", *, pvm: bool = False) -> str | None:
+    """None when ``device`` is a KVM that can run guests, else why not.
 
     A host kernel can expose /dev/kvm without VT-x/AMD-V (nested setups serving KVM through PVM):
-    such a /dev/kvm answers ioctls but cannot boot ordinary guests, so the CPU flags count too.
+    such a /dev/kvm answers ioctls but cannot boot ordinary guests, so the CPU flags count too,
+    unless ``pvm`` (PVM guests need no vmx/svm, only the host's kvm_pvm module).
     """
+    reason = kvm_device_unusable_reason(device)
+    if reason is not None:
+        return reason
+    if pvm:
+        if not pvm_host_available():
+            return "PVM mode requested but the host kernel has no kvm_pvm module loaded"
+        return None
+    if not cpu_has_hardware_virtualisation():
+        if pvm_host_available():
+            return (
+                f"{device} works but the CPU has no vmx/svm: only PVM guests can run "
+                "(set AGENTENV_FIRECRACKER_PVM=1 with a PVM firecracker and guest kernel, see docs/KVM.md)"
+            )
+        return f"{device} works but the CPU has no vmx/svm flag, so KVM cannot boot guests"
+    return None
+
+
+def kvm_device_unusable_reason(device: str = "/dev/kvm") -> str | None:
+    """None when ``device`` opens and answers KVM_GET_API_VERSION with the stable version."""
     try:
         fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
@@ -67,13 +87,6 @@ def kvm_unusable_reason(device: str = "/dev/kvm") -> str | None:
         os.close(fd)
     if version != KVM_API_VERSION:
         return f"{device} reports KVM API version {version}, expected {KVM_API_VERSION}"
-    if not cpu_has_hardware_virtualisation():
-        if pvm_host_available():
-            return (
-                f"{device} works but the CPU has no vmx/svm: only PVM guests can run "
-                "(set AGENTENV_FIRECRACKER_PVM=1 with a PVM firecracker and guest kernel, see docs/KVM.md)"
-            )
-        return f"{device} works but the CPU has no vmx/svm flag, so KVM cannot boot guests"
     return None
 
 
@@ -99,13 +112,14 @@ def firecracker_unusable_reason(settings: Settings) -> str | None:
 
     fc = FirecrackerSettings()
     binary = fc.pvm_binary if fc.pvm else settings.firecracker_path
+    problems = []
     if shutil.which(binary) is None:
-        return f"firecracker binary {binary!r} not found (see docs/KVM.md)"
-    if fc.pvm:
-        if not pvm_host_available():
-            return "PVM mode requested but the host kernel has no kvm_pvm module loaded"
-        return None
-    return kvm_unusable_reason()
+        problems.append(f"firecracker binary {binary!r} not found")
+    kvm_reason = kvm_unusable_reason(pvm=fc.pvm)
+    if kvm_reason is not None:
+        problems.append(kvm_reason)
+    # Both reasons are reported: fixing only one of them would not make firecracker usable.
+    return "; ".join(problems) + " (see docs/KVM.md)" if problems else None
 
 
 def select_runtime(
