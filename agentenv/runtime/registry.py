@@ -67,7 +67,7 @@ def kvm_unusable_reason(device: str = "/dev/kvm", *, pvm: bool = False) -> str |
         if pvm_host_available():
             return (
                 f"{device} works but the CPU has no vmx/svm: only PVM guests can run "
-                "(set AGENTENV_FIRECRACKER_PVM=1 with a PVM firecracker and guest kernel, see docs/KVM.md)"
+                "(set AGENTENV_FIRECRACKER_PVM=1 with a PVM firecracker and guest kernel)"
             )
         return f"{device} works but the CPU has no vmx/svm flag, so KVM cannot boot guests"
     return None
