@@ -1,0 +1,597 @@
+"""envd on the host, driven by the official e2b SDK (2.63.0) the way a sandbox user drives it.
+
+envd runs as a real subprocess (``python -m agentenv.envd``) on a free loopback port; the SDK's
+``Sandbox`` is pointed straight at it (``sandbox_url``), with no control plane in between.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from connectrpc.code import Code
+from connectrpc.codec import proto_binary_codec
+from connectrpc.errors import ConnectError
+from e2b import Sandbox
+from e2b.connection_config import ConnectionConfig
+from e2b.envd.client_shared import ENVD_JSON_CODEC
+from e2b.envd.filesystem import filesystem_connect, filesystem_pb
+from e2b.envd.process import process_connect, process_pb
+from e2b.exceptions import (
+    AuthenticationException,
+    FileNotFoundException,
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxException,
+)
+from e2b.sandbox.commands.command_handle import CommandExitException, PtySize
+from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+from packaging.version import Version
+from protobuf import Oneof
+
+REPO = Path(__file__).resolve().parents[1]
+ENVD_VERSION = Version("0.6.4")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="envd tests run envd as root (user switching)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Envd:
+    url: str
+    proc: subprocess.Popen[bytes]
+    startup_seconds: float
+    token: str | None = None
+
+    def sandbox(self) -> Sandbox:
+        headers = {"E2b-Sandbox-Id": "envd-test", "E2b-Sandbox-Port": "49983"}
+        if self.token:
+            headers["X-Access-Token"] = self.token
+        config = ConnectionConfig(sandbox_url=self.url, api_key="e2b_test", extra_sandbox_headers=headers)
+        return Sandbox(
+            sandbox_id="envd-test",
+            sandbox_domain=None,
+            envd_version=ENVD_VERSION,
+            envd_access_token=self.token,
+            connection_config=config,
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Access-Token": self.token} if self.token else {}
+
+
+def _start_envd(env_extra: dict[str, str] | None = None) -> Envd:
+    port = _free_port()
+    env = {**os.environ, **(env_extra or {})}
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = started + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            raise RuntimeError(f"envd exited with {proc.returncode}: {out}")
+        try:
+            if httpx.get(f"{url}/health", timeout=0.5).status_code == 204:
+                return Envd(url, proc, time.monotonic() - started, env_extra and env_extra.get("AGENTENV_ENVD_ACCESS_TOKEN"))
+        except httpx.TransportError:
+            time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError("envd did not answer /health within 20 s")
+
+
+def _stop_envd(envd: Envd) -> None:
+    envd.proc.send_signal(signal.SIGTERM)
+    try:
+        envd.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        envd.proc.kill()
+        envd.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def envd() -> Iterator[Envd]:
+    server = _start_envd()
+    print(f"\nenvd start-up (spawn to first /health 204): {server.startup_seconds * 1000:.0f} ms")
+    yield server
+    _stop_envd(server)
+
+
+@pytest.fixture(scope="module")
+def sbx(envd: Envd) -> Sandbox:
+    return envd.sandbox()
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="envd-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --- commands ------------------------------------------------------------------------------------
+def test_health(envd: Envd) -> None:
+    assert httpx.get(f"{envd.url}/health").status_code == 204
+
+
+def test_run_collects_stdout_stderr_and_exit_code(sbx: Sandbox) -> None:
+    result = sbx.commands.run("echo out; echo err >&2; whoami")
+    assert result.stdout == "out\nroot\n"
+    assert result.stderr == "err\n"
+    assert result.exit_code == 0
+
+
+def test_nonzero_exit_raises_with_code_and_output(sbx: Sandbox) -> None:
+    with pytest.raises(CommandExitException) as info:
+        sbx.commands.run("echo bad >&2; exit 7")
+    assert info.value.exit_code == 7
+    assert info.value.stderr == "bad\n"
+    assert info.value.error == "exit status 7"
+
+
+def test_on_stdout_callbacks_stream_in_order(sbx: Sandbox) -> None:
+    seen_out: list[str] = []
+    seen_err: list[str] = []
+    sbx.commands.run(
+        "for i in 1 2 3; do echo $i; sleep 0.05; done; echo e >&2",
+        on_stdout=seen_out.append,
+        on_stderr=seen_err.append,
+    )
+    assert "".join(seen_out) == "1\n2\n3\n"
+    assert "".join(seen_err) == "e\n"
+
+
+def test_envs_cwd_and_user(sbx: Sandbox, workdir: str) -> None:
+    result = sbx.commands.run("echo $FOO; pwd; echo $HOME $USER", envs={"FOO": "bar baz"}, cwd=workdir)
+    assert result.stdout == f"bar baz\n{workdir}\n/root root\n"
+    as_nobody = sbx.commands.run("id -un; echo $USER", user="nobody", cwd="/tmp")  # type: ignore[arg-type]
+    assert as_nobody.stdout == "nobody\nnobody\n"
+
+
+def test_unknown_user_is_a_clear_error(sbx: Sandbox) -> None:
+    with pytest.raises(AuthenticationException, match="unknown user no-such-user-envd"):
+        sbx.commands.run("true", user="no-such-user-envd")  # type: ignore[arg-type]
+
+
+def test_missing_cwd_is_invalid_argument(sbx: Sandbox) -> None:
+    with pytest.raises(InvalidArgumentException, match="does not exist"):
+        sbx.commands.run("true", cwd="/nonexistent/envd-test")
+
+
+def test_background_list_kill(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 30", background=True)
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert handle.pid in listed
+    assert listed[handle.pid].cmd == "/bin/bash"
+    assert listed[handle.pid].args == ["-l", "-c", "sleep 30"]
+    assert handle.kill() is True
+    with pytest.raises(CommandExitException) as info:
+        handle.wait()
+    assert info.value.exit_code == -1
+    assert info.value.error == "signal: killed"
+    assert sbx.commands.kill(handle.pid) is False  # gone: NOT_FOUND maps to False
+
+
+def test_closing_the_start_stream_does_not_kill_and_many_clients_attach(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 1; echo done", background=True)
+    handle.disconnect()
+    time.sleep(0.2)
+    assert handle.pid in {p.pid for p in sbx.commands.list()}
+    first = sbx.commands.connect(handle.pid)
+    second = sbx.commands.connect(handle.pid)
+    results: dict[str, str] = {}
+
+    def wait(name: str, h: object) -> None:
+        results[name] = h.wait().stdout  # type: ignore[attr-defined]
+
+    threads = [threading.Thread(target=wait, args=(n, h)) for n, h in (("a", first), ("b", second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {"a": "done\n", "b": "done\n"}
+
+
+def test_stdin_send_and_close(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("cat; echo EOF", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "hello ")
+    sbx.commands.stream_input(handle.pid, [b"stream", "ed\n"])
+    sbx.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "hello streamed\nEOF\n"
+
+
+def test_stdin_disabled_by_default(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("cat; echo closed", background=True)
+    assert handle.wait().stdout == "closed\n"  # stdin is /dev/null: cat ends at once
+    handle = sbx.commands.run("sleep 5", background=True)
+    try:
+        with pytest.raises(SandboxException, match="not enabled"):
+            sbx.commands.send_stdin(handle.pid, "x")
+    finally:
+        handle.kill()
+
+
+def test_unknown_pid_is_not_found(sbx: Sandbox) -> None:
+    with pytest.raises(NotFoundException):
+        sbx.commands.send_stdin(4_000_000, "x")
+    with pytest.raises(NotFoundException):
+        sbx.commands.connect(4_000_000)
+
+
+def test_pty_create_input_resize_kill(sbx: Sandbox) -> None:
+    handle = sbx.pty.create(PtySize(rows=24, cols=80), envs={"PS1": "$ "})
+    output = bytearray()
+    done = threading.Event()
+
+    def collect() -> None:
+        try:
+            handle.wait(on_pty=output.extend)
+        except CommandExitException:
+            pass
+        done.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    sbx.pty.send_stdin(handle.pid, b"tty; stty size\n")
+    _wait_for(lambda: b"24 80" in output)
+    assert b"/dev/pts/" in output
+    sbx.pty.resize(handle.pid, PtySize(rows=40, cols=100))
+    sbx.pty.send_stdin(handle.pid, b"stty size\n")
+    _wait_for(lambda: b"40 100" in output)
+    assert sbx.pty.kill(handle.pid) is True
+    assert done.wait(10)
+
+
+def test_pty_exit_via_input(sbx: Sandbox) -> None:
+    handle = sbx.pty.create(PtySize(rows=10, cols=40))
+    sbx.pty.send_stdin(handle.pid, b"exit 3\n")
+    with pytest.raises(CommandExitException) as info:
+        handle.wait()
+    assert info.value.exit_code == 3
+
+
+def _wait_for(condition: object, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+# --- files ---------------------------------------------------------------------------------------
+def test_files_write_read_list_exists_rename_remove(sbx: Sandbox, workdir: str) -> None:
+    info = sbx.files.write(f"{workdir}/a/b/c.txt", "hello")
+    assert (info.path, info.name) == (f"{workdir}/a/b/c.txt", "c.txt")
+    assert sbx.files.read(f"{workdir}/a/b/c.txt") == "hello"
+    assert sbx.files.read(f"{workdir}/a/b/c.txt", format="bytes") == bytearray(b"hello")
+    assert sbx.files.exists(f"{workdir}/a/b/c.txt")
+    assert not sbx.files.exists(f"{workdir}/missing")
+    assert sbx.files.make_dir(f"{workdir}/d/e") is True
+    assert sbx.files.make_dir(f"{workdir}/d/e") is False  # ALREADY_EXISTS
+    moved = sbx.files.rename(f"{workdir}/a/b/c.txt", f"{workdir}/d/e/moved.txt")
+    assert moved.path == f"{workdir}/d/e/moved.txt" and moved.size == 5
+    names = [(e.name, e.type.value if e.type else None) for e in sbx.files.list(workdir)]
+    assert names == [("a", "dir"), ("d", "dir")]
+    deep = [e.path for e in sbx.files.list(workdir, depth=3)]
+    assert deep == [f"{workdir}/a", f"{workdir}/a/b", f"{workdir}/d", f"{workdir}/d/e", f"{workdir}/d/e/moved.txt"]
+    sbx.files.remove(f"{workdir}/d")
+    assert not sbx.files.exists(f"{workdir}/d")
+
+
+def test_entry_info_fields(sbx: Sandbox, workdir: str) -> None:
+    path = f"{workdir}/f.sh"
+    sbx.files.write(path, "#!/bin/sh\n")
+    os.chmod(path, 0o754)
+    os.symlink(path, f"{workdir}/link")
+    info = sbx.files.get_info(path)
+    assert (info.mode, info.permissions, info.owner, info.group, info.size) == (0o754, "-rwxr-xr--", "root", "root", 10)
+    assert abs(info.modified_time.timestamp() - os.stat(path).st_mtime) < 1
+    link = sbx.files.get_info(f"{workdir}/link")
+    assert link.type is not None and link.type.value == "symlink"
+    assert link.symlink_target == path
+    assert sbx.files.get_info(workdir).permissions.startswith("d")
+
+
+def test_relative_paths_resolve_against_home(sbx: Sandbox) -> None:
+    name = f"envd-test-{uuid.uuid4().hex}.txt"
+    try:
+        info = sbx.files.write(name, "x")
+        assert info.path == f"/root/{name}"
+        assert sbx.commands.run(f"cat {name}").stdout == "x"
+    finally:
+        Path(f"/root/{name}").unlink(missing_ok=True)
+
+
+def test_write_as_user_chowns(sbx: Sandbox, workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    sbx.files.write(f"{workdir}/new/owned.txt", "x", user="nobody")  # type: ignore[arg-type]
+    info = sbx.files.get_info(f"{workdir}/new/owned.txt")
+    assert info.owner == "nobody"
+    assert sbx.files.get_info(f"{workdir}/new").owner == "nobody"
+
+
+def test_missing_file_and_directory_errors(sbx: Sandbox, envd: Envd, workdir: str) -> None:
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read(f"{workdir}/nope.txt")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.list(f"{workdir}/nope")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.remove(f"{workdir}/nope")
+    resp = httpx.get(f"{envd.url}/files", params={"path": f"{workdir}/nope.txt"})
+    assert resp.status_code == 404
+    assert resp.json() == {"code": 404, "message": f"path '{workdir}/nope.txt' does not exist"}
+    resp = httpx.get(f"{envd.url}/files", params={"path": workdir})
+    assert resp.status_code == 400 and resp.json()["code"] == 400 and "is a directory" in resp.json()["message"]
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.read(workdir)
+    resp = httpx.get(f"{envd.url}/files", params={"path": "/etc/hostname", "username": "no-such-user-envd"})
+    assert resp.status_code == 401 and "unknown user" in resp.json()["message"]
+
+
+def test_upload_to_directory_path_is_rejected(sbx: Sandbox, workdir: str) -> None:
+    with pytest.raises(InvalidArgumentException, match="is a directory"):
+        sbx.files.write(workdir, "x")
+
+
+def test_write_files_multipart_many(sbx: Sandbox, workdir: str) -> None:
+    infos = sbx.files.write_files(
+        [{"path": f"{workdir}/m1.txt", "data": "one"}, {"path": f"{workdir}/sub/m2.bin", "data": b"\x00\x01"}]
+    )
+    assert [i.path for i in infos] == [f"{workdir}/m1.txt", f"{workdir}/sub/m2.bin"]
+    assert Path(f"{workdir}/m1.txt").read_text() == "one"
+    assert Path(f"{workdir}/sub/m2.bin").read_bytes() == b"\x00\x01"
+
+
+def test_octet_stream_gzip_and_metadata(sbx: Sandbox, workdir: str) -> None:
+    path = f"{workdir}/meta.txt"
+    info = sbx.files.write(path, "zipped", gzip=True, metadata={"Purpose": "test", "run": "1"})
+    assert Path(path).read_text() == "zipped"
+    assert info.metadata == {"purpose": "test", "run": "1"}
+    assert sbx.files.get_info(path).metadata == {"purpose": "test", "run": "1"}
+    sbx.files.write(path, "again", use_octet_stream=True)  # no metadata headers: metadata cleared
+    assert sbx.files.get_info(path).metadata is None
+    assert sbx.files.read(path, gzip=True) == "again"
+
+
+def test_large_upload_and_download_are_intact(sbx: Sandbox, workdir: str) -> None:
+    size = 50 * 1024 * 1024
+    payload = os.urandom(1024 * 1024) * 50
+    digest = hashlib.sha256(payload).hexdigest()
+    path = f"{workdir}/big.bin"
+    sbx.files.write(path, io.BytesIO(payload))  # file-like: streamed octet-stream upload
+    assert os.path.getsize(path) == size
+    hasher = hashlib.sha256()
+    with sbx.files.read(path, format="stream") as stream:
+        for chunk in stream:
+            hasher.update(chunk)
+    assert hasher.hexdigest() == digest
+    sbx.files.write(f"{workdir}/big2.bin", payload, use_octet_stream=False)  # multipart
+    assert hashlib.sha256(Path(f"{workdir}/big2.bin").read_bytes()).hexdigest() == digest
+    assert sorted(os.listdir(workdir)) == ["big.bin", "big2.bin"]  # no temp files left
+
+
+def test_failed_upload_leaves_no_partial_file(envd: Envd, workdir: str) -> None:
+    Path(f"{workdir}/keep.txt").write_text("original")
+    broken = gzip.compress(b"x" * 100_000)[:-20]
+    resp = httpx.post(
+        f"{envd.url}/files",
+        params={"path": f"{workdir}/keep.txt"},
+        content=broken,
+        headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+    )
+    assert resp.status_code == 400 and resp.json()["code"] == 400
+    assert Path(f"{workdir}/keep.txt").read_text() == "original"
+    assert os.listdir(workdir) == ["keep.txt"]
+
+
+def test_watch_dir_events(sbx: Sandbox, workdir: str) -> None:
+    handle = sbx.files.watch_dir(workdir, recursive=True, include_entry=True)
+    try:
+        sbx.files.write(f"{workdir}/w.txt", "1")
+        sbx.files.make_dir(f"{workdir}/sub")
+        time.sleep(0.2)
+        sbx.files.write(f"{workdir}/sub/deep.txt", "2")
+        sbx.files.remove(f"{workdir}/w.txt")
+        time.sleep(0.3)
+        events = handle.get_new_events()
+    finally:
+        handle.stop()
+    seen = {(e.name, e.type) for e in events}
+    assert ("w.txt", FilesystemEventType.CREATE) in seen
+    assert ("sub", FilesystemEventType.CREATE) in seen
+    assert ("sub/deep.txt", FilesystemEventType.CREATE) in seen
+    assert ("w.txt", FilesystemEventType.REMOVE) in seen
+    assert any(e.entry is not None and e.entry.path == f"{workdir}/sub" for e in events)
+
+
+def test_watch_dir_stream_over_connect(envd: Envd, workdir: str) -> None:
+    client = filesystem_connect.FilesystemClientSync(envd.url, codec=ENVD_JSON_CODEC)
+    stream = client.watch_dir(
+        filesystem_pb.WatchDirRequest(path=workdir),
+        headers={"Keepalive-Ping-Interval": "1"},
+        timeout_ms=10_000,
+    )
+    try:
+        first = next(stream)
+        assert first.event is not None and first.event.field == "start"
+        Path(f"{workdir}/s.txt").write_text("x")
+        kinds = []
+        for message in stream:  # create, write, then quiet: a keepalive each second
+            assert message.event is not None
+            kinds.append(message.event.field)
+            if message.event.field == "filesystem":
+                assert message.event.value.name == "s.txt"  # type: ignore[union-attr]
+            if message.event.field == "keepalive":
+                break
+        assert kinds[0] == "filesystem" and kinds[-1] == "keepalive"
+    finally:
+        stream.close()
+
+
+def test_watch_errors(sbx: Sandbox, workdir: str) -> None:
+    with pytest.raises(FileNotFoundException):
+        sbx.files.watch_dir(f"{workdir}/nope")
+    Path(f"{workdir}/file").write_text("x")
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.watch_dir(f"{workdir}/file")
+
+
+# --- wire-level checks ---------------------------------------------------------------------------
+def test_binary_proto_codec(envd: Envd) -> None:
+    client = process_connect.ProcessClientSync(envd.url, codec=proto_binary_codec())
+    stream = client.start(
+        process_pb.StartRequest(process=process_pb.ProcessConfig(cmd="/bin/echo", args=["proto"])),
+        timeout_ms=10_000,
+    )
+    fields = []
+    output = b""
+    for message in stream:
+        assert message.event is not None and message.event.event is not None
+        fields.append(message.event.event.field)
+        if message.event.event.field == "data":
+            output += message.event.event.value.output.value  # type: ignore[union-attr]
+        if message.event.event.field == "end":
+            assert message.event.event.value.exit_code == 0  # type: ignore[union-attr]
+    assert fields[0] == "start" and fields[-1] == "end"
+    assert output == b"proto\n"
+    listed = client.list(process_pb.ListRequest())
+    assert isinstance(listed, process_pb.ListResponse)
+    with pytest.raises(ConnectError) as info:
+        client.send_signal(
+            process_pb.SendSignalRequest(
+                process=process_pb.ProcessSelector(selector=Oneof("pid", 4_000_000)),
+                signal=process_pb.Signal.SIGKILL,
+            )
+        )
+    assert info.value.code == Code.NOT_FOUND
+
+
+def test_malformed_rpc_body_is_invalid_argument(envd: Envd) -> None:
+    resp = httpx.post(
+        f"{envd.url}/filesystem.Filesystem/Stat",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert resp.status_code == 400
+    assert resp.json()["code"] == "invalid_argument"
+
+
+def test_stat_over_json_unary(envd: Envd) -> None:
+    resp = httpx.post(
+        f"{envd.url}/filesystem.Filesystem/Stat",
+        json={"path": "/etc/hostname"},
+        headers={"Authorization": "Basic " + base64.b64encode(b"root:").decode()},
+    )
+    assert resp.status_code == 200
+    assert resp.json()["entry"]["type"] == "FILE_TYPE_FILE"
+
+
+def test_init_envs_metrics(envd: Envd, sbx: Sandbox, workdir: str) -> None:
+    resp = httpx.post(f"{envd.url}/init", content=b"{oops")
+    assert resp.status_code == 400 and resp.json()["code"] == 400
+    resp = httpx.post(
+        f"{envd.url}/init",
+        json={"envVars": {"FROM_INIT": "yes", "FOO": "init"}, "timestamp": "2026-01-01T00:00:00Z"},
+    )
+    assert resp.status_code == 204
+    assert httpx.get(f"{envd.url}/envs").json() == {"FROM_INIT": "yes", "FOO": "init"}
+    result = sbx.commands.run("echo $FROM_INIT $FOO", envs={"FOO": "request"})
+    assert result.stdout == "yes request\n"  # request envs win over /init's
+    metrics = httpx.get(f"{envd.url}/metrics").json()
+    assert set(metrics) == {
+        "ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache",
+        "mem_total_mib", "mem_used_mib", "disk_used", "disk_total",
+    }
+    assert metrics["mem_total"] > metrics["mem_used"] > 0 and metrics["disk_total"] > 0
+
+
+# --- access token --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def secured_envd() -> Iterator[Envd]:
+    server = _start_envd({"AGENTENV_ENVD_ACCESS_TOKEN": "tok-" + uuid.uuid4().hex})
+    yield server
+    _stop_envd(server)
+
+
+def test_access_token_required_except_health(secured_envd: Envd, workdir: str) -> None:
+    url = secured_envd.url
+    assert httpx.get(f"{url}/health").status_code == 204
+    resp = httpx.get(f"{url}/envs")
+    assert resp.status_code == 401 and resp.json()["code"] == 401
+    resp = httpx.post(f"{url}/process.Process/List", json={}, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 401 and resp.json()["code"] == "unauthenticated"
+    assert httpx.get(f"{url}/envs", headers=secured_envd.headers()).status_code == 200
+    sbx = secured_envd.sandbox()
+    assert sbx.commands.run("echo ok").stdout == "ok\n"
+    sbx.files.write(f"{workdir}/t.txt", "secret")
+    # Signed URL (v1 signature) instead of the header.
+    signed = sbx.download_url(f"{workdir}/t.txt", use_signature_expiration=60)
+    assert httpx.get(signed).text == "secret"
+    tampered = signed.replace("t.txt", "x.txt")
+    assert httpx.get(tampered).status_code == 401
+
+
+def test_init_sets_the_token(envd: Envd) -> None:
+    server = _start_envd()
+    try:
+        token = "tok-" + uuid.uuid4().hex
+        assert httpx.post(f"{server.url}/init", json={"accessToken": token}).status_code == 204
+        assert httpx.get(f"{server.url}/envs").status_code == 401
+        assert httpx.get(f"{server.url}/envs", headers={"X-Access-Token": token}).status_code == 200
+        assert httpx.post(f"{server.url}/init", json={}).status_code == 401  # now /init needs it too
+    finally:
+        _stop_envd(server)
+
+
+def test_envd_startup_reports_env_port(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "AGENTENV_ENVD_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1"], cwd=REPO, env=env)
+    try:
+        _wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), timeout=20)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=0.5).status_code == 204
+    except httpx.TransportError:
+        return False
+
+
+def test_json_is_what_the_sdk_sends(envd: Envd) -> None:
+    """The SDK's JSON codec against our server: unary application/json."""
+    client = process_connect.ProcessClientSync(envd.url, codec=ENVD_JSON_CODEC)
+    assert json.loads(client.list(process_pb.ListRequest()).to_json() or "{}") is not None
