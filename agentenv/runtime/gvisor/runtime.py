@@ -1,0 +1,522 @@
+"""gVisor (runsc) runtime: one runsc sandbox per agentenv sandbox, envd as its init process.
+
+Per sandbox, under ``{data_dir}/sandboxes/<sandbox_id>/``::
+
+    upper/  work/   private writable layer of the host overlayfs (kept on disk: snapshots copy it)
+    rootfs/         overlay mount: template rootfs (shared, read-only lower) + upper
+    bundle/         OCI bundle (config.json) handed to runsc
+    envd.log        envd's stdout/stderr;  runsc.log: runsc's own log
+
+The network namespace ``ae-<sandbox_id>`` comes from :mod:`agentenv.runtime.network`; runsc's
+``--network sandbox`` moves the netns's address into gVisor's netstack. The envd bundle is
+bind-mounted read-only at ``/.agentenv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from agentenv.config import ENVD_PORT, Settings, get_settings
+from agentenv.runtime import network
+from agentenv.runtime.base import (
+    Runtime,
+    RuntimeError_,
+    SandboxInstance,
+    SandboxMetrics,
+    SandboxSpec,
+    SnapshotRef,
+    TemplateImage,
+)
+from agentenv.runtime.network import SandboxNetwork
+from agentenv.storage.envd_bundle import MOUNT_POINT, build_envd_bundle, envd_argv, envd_env
+
+log = logging.getLogger(__name__)
+
+CONTAINER_PREFIX = "ae-"
+CGROUP_PARENT = "agentenv"
+CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
+ENVD_START_TIMEOUT = 60.0
+#: The docker default capability set plus what envd needs to start processes as other users.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE", "CAP_SYS_PTRACE",
+]
+
+
+def container_id(sandbox_id: str) -> str:
+    return CONTAINER_PREFIX + sandbox_id
+
+
+@dataclass(frozen=True)
+class SandboxPaths:
+    root: Path
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.root / "rootfs"
+
+    @property
+    def bundle(self) -> Path:
+        return self.root / "bundle"
+
+    @property
+    def envd_log(self) -> Path:
+        return self.root / "envd.log"
+
+    @property
+    def runsc_log(self) -> Path:
+        return self.root / "runsc.log"
+
+
+class GvisorRuntime(Runtime):
+    name: ClassVar[str] = "gvisor"
+    #: runsc platform chosen by ``auto``, per runsc binary (probing costs a runsc start).
+    _platform_cache: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or get_settings()
+        self.runsc = self.settings.runsc_path
+        self.runsc_root = self.settings.data_dir / "runsc"
+        self._cpu_samples: dict[str, tuple[float, int]] = {}
+
+    # -- availability -------------------------------------------------------------------------
+
+    @classmethod
+    def probe(cls) -> str | None:
+        runsc = get_settings().runsc_path
+        if shutil.which(runsc) is None:
+            return f"runsc binary {runsc!r} not found (apt-get install runsc)"
+        try:
+            proc = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{runsc} --version failed: {exc}"
+        if proc.returncode != 0:
+            return f"{runsc} --version failed: {(proc.stdout + proc.stderr).strip()[-500:]}"
+        if os.geteuid() != 0:
+            return "the gvisor runtime needs root (network namespaces, overlay mounts, cgroups)"
+        return None
+
+    def platform(self) -> str:
+        """The runsc platform: the configured one, or for ``auto`` kvm when it can run
+        hardware-virtualised guests here, else ptrace. gVisor's KVM platform needs VT-x/AMD-V:
+        on a /dev/kvm without them (PVM-only hosts) runsc starts but hangs forever."""
+        if self.settings.runsc_platform != "auto":
+            return self.settings.runsc_platform
+        cached = self._platform_cache.get(self.runsc)
+        if cached:
+            return cached
+        from agentenv.runtime.registry import kvm_unusable_reason
+
+        reason = kvm_unusable_reason()
+        chosen = "ptrace"
+        if reason is None and self._platform_works("kvm"):
+            chosen = "kvm"
+        elif reason is not None:
+            log.info("runsc platform auto: not kvm (%s), using ptrace", reason)
+        self._platform_cache[self.runsc] = chosen
+        return chosen
+
+    def _platform_works(self, platform: str) -> bool:
+        root = self.settings.data_dir / "runsc-probe"
+        root.mkdir(parents=True, exist_ok=True)
+        cmd = [self.runsc, "--root", str(root), "--platform", platform, "--network", "none",
+               "do", "/bin/true"]
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=15).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    # -- building blocks (also used by the checkpoint/restore code) ---------------------------
+
+    def paths(self, sandbox_id: str) -> SandboxPaths:
+        return SandboxPaths(self.settings.data_dir / "sandboxes" / sandbox_id)
+
+    def runsc_cmd(self, *args: str, log_file: Path | None = None) -> list[str]:
+        cmd = [self.runsc, "--root", str(self.runsc_root)]
+        if log_file is not None:
+            cmd += ["--log", str(log_file)]
+        return [*cmd, *args]
+
+    @staticmethod
+    def hide_proc_sys_net(cmd: list[str]) -> list[str]:
+        """Wrap a runsc command that starts a sandbox (run, create, restore) for this runsc.
+
+        runsc 2022-12 decides it was handed the root network namespace when
+        ``/proc/sys/net/core/rmem_default`` exists, which on kernels >= 5.x it does in every
+        namespace, so ``--network sandbox`` refuses all of them. In a private mount namespace
+        with an empty, read-only /proc/sys/net the check sees no file; runsc reads nothing else
+        there (gVisor's netstack has its own sysctls)."""
+        script = 'mount -t tmpfs -o ro,size=4k agentenv-hide /proc/sys/net && exec "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
+
+    def runsc_run_flags(self) -> list[str]:
+        """Global flags every ``runsc create/run/restore`` of a sandbox must share."""
+        return ["--platform", self.platform(), "--network", "sandbox"]
+
+    async def run_runsc(self, *args: str, check: bool = True, limit: float = 60.0) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            *self.runsc_cmd(*args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), limit)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError_(f"runsc {' '.join(args[:2])} timed out after {limit:.0f}s") from None
+        text = out.decode(errors="replace").strip()
+        if check and proc.returncode != 0:
+            raise RuntimeError_(f"runsc {' '.join(args[:2])} failed: {text[-2000:]}")
+        return proc.returncode or 0, text
+
+    def mount_rootfs(self, sandbox_id: str, template: TemplateImage, upper: Path | None = None) -> Path:
+        """Mount the sandbox's root view: the template rootfs under a writable upper layer.
+
+        ``upper`` defaults to the sandbox's own (new, empty) upper; a restore passes the upper
+        copied from a snapshot (it is moved into place, so the snapshot must hand over a copy)."""
+        paths = self.paths(sandbox_id)
+        paths.root.mkdir(parents=True, exist_ok=True)
+        if upper is not None and upper != paths.upper:
+            if paths.upper.exists():
+                raise RuntimeError_(f"sandbox {sandbox_id} already has a disk layer")
+            os.rename(upper, paths.upper)
+        for d in (paths.upper, paths.work, paths.rootfs):
+            d.mkdir(exist_ok=True)
+        if not (template.rootfs / MOUNT_POINT.lstrip("/")).is_dir():
+            (paths.upper / MOUNT_POINT.lstrip("/")).mkdir(exist_ok=True)
+        if not os.path.ismount(paths.rootfs):
+            opts = f"lowerdir={template.rootfs},upperdir={paths.upper},workdir={paths.work}"
+            proc = subprocess.run(
+                ["mount", "-t", "overlay", "overlay", "-o", opts, str(paths.rootfs)],
+                capture_output=True, text=True,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError_(f"mounting the root file system failed: {proc.stderr.strip()}")
+        return paths.rootfs
+
+    def unmount_rootfs(self, sandbox_id: str) -> None:
+        rootfs = self.paths(sandbox_id).rootfs
+        if os.path.ismount(rootfs):
+            proc = subprocess.run(["umount", str(rootfs)], capture_output=True, text=True)
+            if proc.returncode != 0:  # still busy (a dying gofer): detach, it goes with it
+                subprocess.run(["umount", "-l", str(rootfs)], capture_output=True)
+
+    def oci_spec(
+        self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path
+    ) -> dict[str, Any]:
+        """The OCI runtime config.json of a sandbox."""
+        env = envd_env(spec.envs)
+        if spec.envd_access_token:
+            env["AGENTENV_ENVD_ACCESS_TOKEN"] = spec.envd_access_token
+        tpl = spec.template
+        caps = list(CAPABILITIES)
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": 0, "gid": 0},
+                "args": envd_argv(port=ENVD_PORT),
+                "env": [f"{k}={v}" for k, v in env.items()],
+                "cwd": "/",
+                "capabilities": {k: caps for k in ("bounding", "effective", "permitted", "inheritable")},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+                "noNewPrivileges": False,
+            },
+            "root": {"path": str(rootfs), "readonly": False},
+            "hostname": "sandbox",
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+                {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                 "options": ["nosuid", "noexec", "nodev", "ro"]},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                 "options": ["nosuid", "nodev", "mode=1777"]},
+                {"destination": MOUNT_POINT, "type": "bind", "source": str(envd_bundle),
+                 "options": ["rbind", "ro"]},
+            ],
+            "linux": {
+                "namespaces": [
+                    {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                    {"type": "network", "path": net.netns_path},
+                ],
+                "cgroupsPath": f"/{CGROUP_PARENT}/{spec.sandbox_id}",
+                "resources": {
+                    "cpu": {"quota": tpl.vcpus * 100_000, "period": 100_000},
+                    "memory": {"limit": tpl.memory_mb << 20},
+                },
+            },
+        }
+
+    def write_oci_bundle(self, sandbox_id: str, config: dict[str, Any]) -> Path:
+        bundle = self.paths(sandbox_id).bundle
+        bundle.mkdir(parents=True, exist_ok=True)
+        tmp = bundle / "config.json.tmp"
+        tmp.write_text(json.dumps(config, indent=2))
+        os.rename(tmp, bundle / "config.json")
+        return bundle
+
+    async def setup_network(self, spec: SandboxSpec) -> SandboxNetwork:
+        return await network.setup_network(
+            self.settings, spec.sandbox_id, allow_internet_access=spec.allow_internet_access
+        )
+
+    async def teardown_network(self, sandbox_id: str, net: SandboxNetwork | None = None) -> None:
+        await network.teardown_network(self.settings, sandbox_id, net)
+
+    async def wait_for_envd(self, sandbox_id: str, url: str, limit: float = ENVD_START_TIMEOUT) -> None:
+        """Return once envd answers ``GET /health``; fail early when the container died."""
+        deadline = time.monotonic() + limit
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await client.get(f"{url}/health")
+                    if response.status_code < 300:
+                        return
+                status = await self.container_status(sandbox_id)
+                if status not in ("created", "running"):
+                    raise RuntimeError_(
+                        f"sandbox {sandbox_id} stopped before envd started (runsc state: {status}); "
+                        f"envd output: {self._tail(self.paths(sandbox_id).envd_log)}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError_(
+                        f"envd of sandbox {sandbox_id} did not answer {url}/health within {limit:.0f}s; "
+                        f"envd output: {self._tail(self.paths(sandbox_id).envd_log)}"
+                    )
+                await asyncio.sleep(0.05)
+
+    @staticmethod
+    def _tail(path: Path, size: int = 1500) -> str:
+        try:
+            return path.read_bytes()[-size:].decode(errors="replace").strip() or "(empty)"
+        except OSError:
+            return "(none)"
+
+    async def container_status(self, sandbox_id: str) -> str:
+        code, out = await self.run_runsc("state", container_id(sandbox_id), check=False)
+        if code != 0:
+            return "absent"
+        try:
+            return str(json.loads(out).get("status", "unknown"))
+        except json.JSONDecodeError:
+            return "unknown"
+
+    def instance_for(self, spec: SandboxSpec, net: SandboxNetwork, envd_bundle: Path) -> SandboxInstance:
+        return SandboxInstance(
+            sandbox_id=spec.sandbox_id,
+            runtime=self.name,
+            envd_url=f"http://{net.sandbox_ip}:{ENVD_PORT}",
+            address=net.sandbox_ip,
+            state={
+                "container_id": container_id(spec.sandbox_id),
+                "network": net.to_state(),
+                "envd_bundle": str(envd_bundle),
+                "template_id": spec.template.template_id,
+                "template_rootfs": str(spec.template.rootfs),
+                "vcpus": spec.template.vcpus,
+                "memory_mb": spec.template.memory_mb,
+                "disk_mb": spec.template.disk_mb,
+                "platform": self.platform(),
+            },
+        )
+
+    # -- Runtime interface --------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> SandboxInstance:
+        envd_bundle = await asyncio.to_thread(build_envd_bundle, self.settings)
+        paths = self.paths(spec.sandbox_id)
+        if paths.root.exists():
+            raise RuntimeError_(f"sandbox {spec.sandbox_id} already exists on this node", code=409)
+        net: SandboxNetwork | None = None
+        try:
+            net = await self.setup_network(spec)
+            rootfs = await asyncio.to_thread(self.mount_rootfs, spec.sandbox_id, spec.template)
+            self.write_oci_bundle(spec.sandbox_id, self.oci_spec(spec, net, rootfs, envd_bundle))
+            instance = self.instance_for(spec, net, envd_bundle)
+            await self.start_container(spec.sandbox_id)
+            await self.wait_for_envd(spec.sandbox_id, instance.envd_url)
+        except BaseException:
+            await self._destroy(spec.sandbox_id, net)
+            raise
+        return instance
+
+    async def start_container(self, sandbox_id: str, *extra: str) -> None:
+        """``runsc run --detach``: returns once the container runs, its output going to envd.log."""
+        paths = self.paths(sandbox_id)
+        with paths.envd_log.open("ab") as out:
+            cmd = self.runsc_cmd(*self.runsc_run_flags(), "run", "--detach", "--bundle", str(paths.bundle),
+                                 *extra, container_id(sandbox_id), log_file=paths.runsc_log)
+            proc = await asyncio.create_subprocess_exec(
+                *self.hide_proc_sys_net(cmd),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+            )
+            code = await asyncio.wait_for(proc.wait(), 120)
+        if code != 0:
+            raise RuntimeError_(
+                f"runsc run of sandbox {sandbox_id} failed (exit {code}): {self._tail(paths.runsc_log)}"
+            )
+
+    async def kill(self, instance: SandboxInstance) -> None:
+        net_state = instance.state.get("network")
+        net = SandboxNetwork.from_state(net_state) if net_state else None
+        await self._destroy(instance.sandbox_id, net)
+
+    async def _destroy(self, sandbox_id: str, net: SandboxNetwork | None) -> None:
+        """Remove everything of ``sandbox_id``; every step tolerates an already-missing part."""
+        cid = container_id(sandbox_id)
+        await self.run_runsc("kill", "--all", cid, "KILL", check=False, limit=30)
+        await self.run_runsc("delete", "--force", cid, check=False, limit=60)
+        await self._reap_processes(cid)
+        self._cpu_samples.pop(sandbox_id, None)
+        await asyncio.to_thread(self.unmount_rootfs, sandbox_id)
+        await self.teardown_network(sandbox_id, net)
+        remove_cgroups(sandbox_id)
+        await asyncio.to_thread(shutil.rmtree, self.paths(sandbox_id).root, True)
+
+    async def _reap_processes(self, cid: str, limit: float = 10.0) -> None:
+        """Kill runsc sandbox/gofer processes of ``cid`` that ``runsc delete`` left behind."""
+        deadline = time.monotonic() + limit
+        while pids := runsc_processes(cid, self.runsc_root):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+            if time.monotonic() > deadline:
+                raise RuntimeError_(f"runsc processes {pids} of {cid} do not exit")
+            await asyncio.sleep(0.05)
+
+    async def is_alive(self, instance: SandboxInstance) -> bool:
+        return await self.container_status(instance.sandbox_id) == "running"
+
+    async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
+        sid = instance.sandbox_id
+        vcpus = int(instance.state.get("vcpus", 1))
+        mem_total = int(instance.state.get("memory_mb", 512)) << 20
+        mem_used = _read_int(CGROUP_V1_ROOT / "memory" / CGROUP_PARENT / sid / "memory.usage_in_bytes")
+        cpu_ns = _read_int(CGROUP_V1_ROOT / "cpuacct" / CGROUP_PARENT / sid / "cpuacct.usage")
+        now = time.monotonic()
+        previous = self._cpu_samples.get(sid)
+        if previous is None:  # first sample: measure over a short window
+            await asyncio.sleep(0.1)
+            previous, now = (now, cpu_ns), time.monotonic()
+            cpu_ns = _read_int(CGROUP_V1_ROOT / "cpuacct" / CGROUP_PARENT / sid / "cpuacct.usage")
+        self._cpu_samples[sid] = (now, cpu_ns)
+        elapsed = max(now - previous[0], 1e-6)
+        cpu_pct = max(0.0, (cpu_ns - previous[1]) / 1e9 / elapsed / vcpus * 100)
+        disk_used = await asyncio.to_thread(disk_usage, self.paths(sid).upper)
+        return SandboxMetrics(
+            cpu_count=vcpus, cpu_used_pct=round(cpu_pct, 2), mem_used=mem_used, mem_total=mem_total,
+            disk_used=disk_used, disk_total=int(instance.state.get("disk_mb", 4096)) << 20,
+        )
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        found: set[str] = set()
+        code, out = await self.run_runsc("list", "-quiet", check=False)
+        if code == 0:
+            found |= {c[len(CONTAINER_PREFIX):] for c in out.split() if c.startswith(CONTAINER_PREFIX)}
+        sandboxes = self.settings.data_dir / "sandboxes"
+        if sandboxes.is_dir():
+            found |= {d.name for d in sandboxes.iterdir() if d.is_dir()}
+        found |= set(network.list_orphans(self.settings, keep))
+        orphans = sorted(found - keep)
+        for sandbox_id in orphans:
+            await self._destroy(sandbox_id, None)
+        return orphans
+
+    async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
+        checkpoint = importlib.import_module("agentenv.runtime.gvisor.checkpoint")
+        await checkpoint.snapshot(self, instance, dest, stop)
+
+    async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
+        checkpoint = importlib.import_module("agentenv.runtime.gvisor.checkpoint")
+        restored: SandboxInstance = await checkpoint.restore(self, spec, source)
+        return restored
+
+
+def runsc_processes(cid: str, runsc_root: Path) -> list[int]:
+    """PIDs of runsc (sandbox, gofer, ...) processes serving container ``cid`` under ``runsc_root``."""
+    pids = []
+    root_flag = f"--root={runsc_root}"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = [a.decode(errors="replace") for a in args]
+        if not text or not text[0].startswith("runsc"):
+            continue
+        if (root_flag in text or str(runsc_root) in text) and any(cid in a for a in text):
+            pids.append(int(entry.name))
+    return pids
+
+
+def remove_cgroups(sandbox_id: str) -> None:
+    """rmdir the sandbox's cgroup in every v1 hierarchy (and the v2 tree), deepest first."""
+    for hierarchy in CGROUP_V1_ROOT.iterdir() if CGROUP_V1_ROOT.is_dir() else []:
+        group = hierarchy / CGROUP_PARENT / sandbox_id
+        if group.is_dir():
+            for sub in sorted(group.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if sub.is_dir():
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+            with contextlib.suppress(OSError):
+                group.rmdir()
+
+
+def cgroup_exists(sandbox_id: str) -> list[Path]:
+    """The sandbox's cgroup directories that still exist (for tests and diagnostics)."""
+    if not CGROUP_V1_ROOT.is_dir():
+        return []
+    return [h / CGROUP_PARENT / sandbox_id for h in CGROUP_V1_ROOT.iterdir()
+            if (h / CGROUP_PARENT / sandbox_id).is_dir()]
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes allocated by the files under ``root`` (not following symlinks)."""
+    total = 0
+    stack = [root]
+    while stack:
+        current = stack.pop()
+        try:
+            with os.scandir(current) as it:
+                for entry in it:
+                    with contextlib.suppress(OSError):
+                        st = entry.stat(follow_symlinks=False)
+                        total += st.st_blocks * 512
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(Path(entry.path))
+        except OSError:
+            continue
+    return total
