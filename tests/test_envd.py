@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
@@ -33,6 +34,7 @@ from connectrpc.errors import ConnectError
 from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from e2b.envd.client_shared import ENVD_JSON_CODEC
+from e2b.envd.client_sync import as_stream
 from e2b.envd.filesystem import filesystem_connect, filesystem_pb
 from e2b.envd.process import process_connect, process_pb
 from e2b.exceptions import (
@@ -65,6 +67,7 @@ class Envd:
     url: str
     proc: subprocess.Popen[bytes]
     startup_seconds: float
+    log: Path
     token: str | None = None
 
     def sandbox(self) -> Sandbox:
@@ -77,6 +80,7 @@ class Envd:
             sandbox_domain=None,
             envd_version=ENVD_VERSION,
             envd_access_token=self.token,
+            traffic_access_token=None,
             connection_config=config,
         )
 
@@ -87,36 +91,41 @@ class Envd:
 def _start_envd(env_extra: dict[str, str] | None = None) -> Envd:
     port = _free_port()
     env = {**os.environ, **(env_extra or {})}
+    token = env_extra.get("AGENTENV_ENVD_ACCESS_TOKEN") if env_extra else None
+    log = Path(tempfile.mkstemp(prefix="envd-test-log-")[1])
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = started + 20
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise RuntimeError(f"envd exited with {proc.returncode}: {out}")
-        try:
-            if httpx.get(f"{url}/health", timeout=0.5).status_code == 204:
-                return Envd(url, proc, time.monotonic() - started, env_extra and env_extra.get("AGENTENV_ENVD_ACCESS_TOKEN"))
-        except httpx.TransportError:
-            time.sleep(0.02)
+            raise RuntimeError(f"envd exited with {proc.returncode}: {log.read_text()}")
+        if _healthy(url):
+            return Envd(url, proc, time.monotonic() - started, log, token)
+        time.sleep(0.02)
     proc.kill()
-    raise RuntimeError("envd did not answer /health within 20 s")
+    proc.wait()
+    raise RuntimeError(f"envd did not answer /health within 20 s: {log.read_text()}")
 
 
-def _stop_envd(envd: Envd) -> None:
+def _stop_envd(envd: Envd) -> str:
+    """Stop envd and return what it logged (tracebacks there mean a handler crashed)."""
     envd.proc.send_signal(signal.SIGTERM)
     try:
         envd.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         envd.proc.kill()
         envd.proc.wait()
+    text = envd.log.read_text(errors="replace")
+    envd.log.unlink(missing_ok=True)
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +133,8 @@ def envd() -> Iterator[Envd]:
     server = _start_envd()
     print(f"\nenvd start-up (spawn to first /health 204): {server.startup_seconds * 1000:.0f} ms")
     yield server
-    _stop_envd(server)
+    log = _stop_envd(server)
+    assert "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +313,7 @@ def test_files_write_read_list_exists_rename_remove(sbx: Sandbox, workdir: str) 
     names = [(e.name, e.type.value if e.type else None) for e in sbx.files.list(workdir)]
     assert names == [("a", "dir"), ("d", "dir")]
     deep = [e.path for e in sbx.files.list(workdir, depth=3)]
-    assert deep == [f"{workdir}/a", f"{workdir}/a/b", f"{workdir}/d", f"{workdir}/d/e", f"{workdir}/d/e/moved.txt"]
+    assert deep == [f"{workdir}/{p}" for p in ("a", "a/b", "d", "d/e", "d/e/moved.txt")]
     sbx.files.remove(f"{workdir}/d")
     assert not sbx.files.exists(f"{workdir}/d")
 
@@ -314,7 +324,8 @@ def test_entry_info_fields(sbx: Sandbox, workdir: str) -> None:
     os.chmod(path, 0o754)
     os.symlink(path, f"{workdir}/link")
     info = sbx.files.get_info(path)
-    assert (info.mode, info.permissions, info.owner, info.group, info.size) == (0o754, "-rwxr-xr--", "root", "root", 10)
+    assert (info.mode, info.permissions, info.size) == (0o754, "-rwxr-xr--", 10)
+    assert (info.owner, info.group) == ("root", "root")
     assert abs(info.modified_time.timestamp() - os.stat(path).st_mtime) < 1
     link = sbx.files.get_info(f"{workdir}/link")
     assert link.type is not None and link.type.value == "symlink"
@@ -351,7 +362,8 @@ def test_missing_file_and_directory_errors(sbx: Sandbox, envd: Envd, workdir: st
     assert resp.status_code == 404
     assert resp.json() == {"code": 404, "message": f"path '{workdir}/nope.txt' does not exist"}
     resp = httpx.get(f"{envd.url}/files", params={"path": workdir})
-    assert resp.status_code == 400 and resp.json()["code"] == 400 and "is a directory" in resp.json()["message"]
+    assert resp.status_code == 400
+    assert resp.json() == {"code": 400, "message": f"path '{workdir}' is a directory"}
     with pytest.raises(InvalidArgumentException):
         sbx.files.read(workdir)
     resp = httpx.get(f"{envd.url}/files", params={"path": "/etc/hostname", "username": "no-such-user-envd"})
@@ -436,10 +448,12 @@ def test_watch_dir_events(sbx: Sandbox, workdir: str) -> None:
 
 def test_watch_dir_stream_over_connect(envd: Envd, workdir: str) -> None:
     client = filesystem_connect.FilesystemClientSync(envd.url, codec=ENVD_JSON_CODEC)
-    stream = client.watch_dir(
-        filesystem_pb.WatchDirRequest(path=workdir),
-        headers={"Keepalive-Ping-Interval": "1"},
-        timeout_ms=10_000,
+    stream = as_stream(
+        client.watch_dir(
+            filesystem_pb.WatchDirRequest(path=workdir),
+            headers={"Keepalive-Ping-Interval": "1"},
+            timeout_ms=10_000,
+        )
     )
     try:
         first = next(stream)
@@ -486,10 +500,11 @@ def test_binary_proto_codec(envd: Envd) -> None:
     assert output == b"proto\n"
     listed = client.list(process_pb.ListRequest())
     assert isinstance(listed, process_pb.ListResponse)
+    unknown: Oneof[Literal["pid"], int] = Oneof("pid", 4_000_000)
     with pytest.raises(ConnectError) as info:
         client.send_signal(
             process_pb.SendSignalRequest(
-                process=process_pb.ProcessSelector(selector=Oneof("pid", 4_000_000)),
+                process=process_pb.ProcessSelector(selector=unknown),
                 signal=process_pb.Signal.SIGKILL,
             )
         )
@@ -529,8 +544,16 @@ def test_init_envs_metrics(envd: Envd, sbx: Sandbox, workdir: str) -> None:
     assert result.stdout == "yes request\n"  # request envs win over /init's
     metrics = httpx.get(f"{envd.url}/metrics").json()
     assert set(metrics) == {
-        "ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache",
-        "mem_total_mib", "mem_used_mib", "disk_used", "disk_total",
+        "ts",
+        "cpu_count",
+        "cpu_used_pct",
+        "mem_total",
+        "mem_used",
+        "mem_cache",
+        "mem_total_mib",
+        "mem_used_mib",
+        "disk_used",
+        "disk_total",
     }
     assert metrics["mem_total"] > metrics["mem_used"] > 0 and metrics["disk_total"] > 0
 
@@ -540,7 +563,8 @@ def test_init_envs_metrics(envd: Envd, sbx: Sandbox, workdir: str) -> None:
 def secured_envd() -> Iterator[Envd]:
     server = _start_envd({"AGENTENV_ENVD_ACCESS_TOKEN": "tok-" + uuid.uuid4().hex})
     yield server
-    _stop_envd(server)
+    log = _stop_envd(server)
+    assert "Traceback" not in log, log
 
 
 def test_access_token_required_except_health(secured_envd: Envd, workdir: str) -> None:

@@ -12,7 +12,7 @@ import shutil
 import stat
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -47,7 +47,10 @@ from agentenv.envd.rpc_common import keepalive_interval, request_user, with_keep
 from agentenv.envd.state import EnvdState
 from agentenv.envd.users import User, resolve_path
 
-_KEEPALIVE = WatchDirResponse(event=Oneof("keepalive", WatchDirResponse.KeepAlive()))
+_KEEPALIVE_EVENT: Oneof[Literal["keepalive"], WatchDirResponse.KeepAlive] = Oneof(
+    "keepalive", WatchDirResponse.KeepAlive()
+)
+_KEEPALIVE = WatchDirResponse(event=_KEEPALIVE_EVENT)
 #: File systems whose change notifications are unreliable; watching them needs allow_network_mounts.
 _NETWORK_FS_TYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse", "sshfs"})
 #: Polled watchers keep at most this many undelivered events (oldest dropped first).
@@ -243,13 +246,17 @@ class FilesystemService:
         path, _ = self._path(request.path, ctx)
         watch = self._open_watch(path, request.recursive, request.include_entry, request.allow_network_mounts)
         try:
-            yield WatchDirResponse(event=Oneof("start", WatchDirResponse.StartEvent()))
+            started: Oneof[Literal["start"], WatchDirResponse.StartEvent] = Oneof(
+                "start", WatchDirResponse.StartEvent()
+            )
+            yield WatchDirResponse(event=started)
             events = with_keepalives(watch.queue, keepalive_interval(ctx), None)
             async for event in events:
                 if event is None:
                     yield _KEEPALIVE
                 else:
-                    yield WatchDirResponse(event=Oneof("filesystem", event))
+                    happened: Oneof[Literal["filesystem"], FilesystemEvent] = Oneof("filesystem", event)
+                    yield WatchDirResponse(event=happened)
         finally:
             watch.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -41,12 +41,18 @@ from agentenv.envd.rpc_common import keepalive_interval, request_user, with_keep
 from agentenv.envd.state import EnvdState
 from agentenv.envd.users import User, resolve_path
 
-_KEEPALIVE = ProcessEvent(event=Oneof("keepalive", ProcessEvent.KeepAlive()))
+_KEEPALIVE_EVENT: Oneof[Literal["keepalive"], ProcessEvent.KeepAlive] = Oneof(
+    "keepalive", ProcessEvent.KeepAlive()
+)
+_KEEPALIVE = ProcessEvent(event=_KEEPALIVE_EVENT)
 _SIGNALS = {Signal.SIGTERM: signal.SIGTERM, Signal.SIGKILL: signal.SIGKILL}
 
 
 def _start_event(pid: int) -> ProcessEvent:
-    return ProcessEvent(event=Oneof("start", ProcessEvent.StartEvent(pid=pid)))
+    started: Oneof[Literal["start"], ProcessEvent.StartEvent] = Oneof(
+        "start", ProcessEvent.StartEvent(pid=pid)
+    )
+    return ProcessEvent(event=started)
 
 
 class ProcessService:
@@ -120,17 +126,14 @@ class ProcessService:
     ) -> StreamInputResponse:
         managed: ManagedProcess | None = None
         async for message in requests:
-            match message.event:
-                case Oneof(field="start", value=start):
-                    managed = self._select(start.process)
-                case Oneof(field="data", value=data):
-                    if managed is None:
-                        raise ConnectError(
-                            Code.FAILED_PRECONDITION, "the first message must be a start event"
-                        )
-                    await self._write(managed, data.input)
-                case _:  # keepalive
-                    pass
+            event = message.event.value if message.event is not None else None
+            if isinstance(event, StreamInputRequest.StartEvent):
+                managed = self._select(event.process)
+            elif isinstance(event, StreamInputRequest.DataEvent):
+                if managed is None:
+                    raise ConnectError(Code.FAILED_PRECONDITION, "the first message must be a start event")
+                await self._write(managed, event.input)
+            # keepalives only keep the stream open
         return StreamInputResponse()
 
     async def send_signal(
@@ -159,9 +162,9 @@ class ProcessService:
     # --- helpers -------------------------------------------------------------------------------
     def _select(self, selector: ProcessSelector | None) -> ManagedProcess:
         match selector.selector if selector is not None else None:
-            case Oneof(field="pid", value=pid):
+            case Oneof(field="pid", value=int(pid)):
                 return self._table.find(pid=pid)
-            case Oneof(field="tag", value=tag):
+            case Oneof(field="tag", value=str(tag)):
                 return self._table.find(tag=tag)
         raise ConnectError(Code.INVALID_ARGUMENT, "a process selector (pid or tag) is required")
 

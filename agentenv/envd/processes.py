@@ -18,6 +18,7 @@ import struct
 import termios
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -59,8 +60,16 @@ def describe_exit(returncode: int) -> ProcessEvent.EndEvent:
     return ProcessEvent.EndEvent(exit_code=-1, exited=False, status=status, error=status)
 
 
-def _data_event(stream: str, chunk: bytes) -> ProcessEvent:
-    return ProcessEvent(event=Oneof("data", ProcessEvent.DataEvent(output=Oneof(stream, chunk))))  # type: ignore[arg-type]
+OutputStream = Literal["stdout", "stderr", "pty"]
+
+
+def _data_event(stream: OutputStream, chunk: bytes) -> ProcessEvent:
+    output: Oneof[OutputStream, bytes] = Oneof(stream, chunk)
+    data: Oneof[Literal["data"], ProcessEvent.DataEvent] = Oneof(
+        "data",
+        ProcessEvent.DataEvent(output=output),  # type: ignore[arg-type]  # one of the three streams
+    )
+    return ProcessEvent(event=data)
 
 
 @dataclass(eq=False)
@@ -93,7 +102,7 @@ class ManagedProcess:
         for queue in self.subscribers:
             queue.put_nowait(event)
 
-    def output(self, stream: str, chunk: bytes) -> None:
+    def output(self, stream: OutputStream, chunk: bytes) -> None:
         self._last_output = time.monotonic()
         self.publish(_data_event(stream, chunk))
 
@@ -201,7 +210,7 @@ class ProcessTable:
     ) -> ManagedProcess:
         """Spawn and register. No output is read before the caller's next await, so a caller
         that subscribes right away sees everything."""
-        identity = _identity_kwargs(user)
+        uid, gid, groups = _identity(user)
         master: int | None = None
         self._spawning += 1
         try:
@@ -219,7 +228,9 @@ class ProcessTable:
                         env=env,
                         start_new_session=True,
                         preexec_fn=_set_controlling_tty,
-                        **identity,
+                        user=uid,
+                        group=gid,
+                        extra_groups=groups,
                     )
                 finally:
                     os.close(slave)
@@ -234,7 +245,9 @@ class ProcessTable:
                     cwd=cwd,
                     env=env,
                     start_new_session=True,
-                    **identity,
+                    user=uid,
+                    group=gid,
+                    extra_groups=groups,
                 )
         except OSError as exc:
             if master is not None:
@@ -263,7 +276,8 @@ class ProcessTable:
                 managed.pty_fd = None
             if managed.proc.stdin is not None:
                 managed.proc.stdin.close()
-        managed.end = ProcessEvent(event=Oneof("end", describe_exit(returncode)))
+        ended: Oneof[Literal["end"], ProcessEvent.EndEvent] = Oneof("end", describe_exit(returncode))
+        managed.end = ProcessEvent(event=ended)
         managed.publish(managed.end)
         for queue in managed.subscribers:
             queue.put_nowait(None)
@@ -275,24 +289,28 @@ class ProcessTable:
             managed.send_signal(signal.SIGKILL)
 
 
-def _identity_kwargs(user: User) -> dict[str, object]:
+def _identity(user: User) -> tuple[int | None, int | None, list[int] | None]:
     """Drop to the user only when envd may (root); a non-root envd runs everything as itself."""
     if os.geteuid() != 0:
-        return {}
-    return {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+        return None, None, None
+    return user.uid, user.gid, user.groups
 
 
 def _start_readers(managed: ManagedProcess) -> list[asyncio.Task[None]]:
     if managed.pty_fd is not None:
         return [asyncio.create_task(_read_pty(managed, managed.pty_fd))]
     readers = []
-    for name, stream in (("stdout", managed.proc.stdout), ("stderr", managed.proc.stderr)):
+    pipes: tuple[tuple[OutputStream, asyncio.StreamReader | None], ...] = (
+        ("stdout", managed.proc.stdout),
+        ("stderr", managed.proc.stderr),
+    )
+    for name, stream in pipes:
         if stream is not None:
             readers.append(asyncio.create_task(_read_pipe(managed, name, stream)))
     return readers
 
 
-async def _read_pipe(managed: ManagedProcess, name: str, stream: asyncio.StreamReader) -> None:
+async def _read_pipe(managed: ManagedProcess, name: OutputStream, stream: asyncio.StreamReader) -> None:
     while chunk := await stream.read(_READ_CHUNK):
         managed.output(name, chunk)
 
