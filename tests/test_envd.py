@@ -619,3 +619,82 @@ def test_json_is_what_the_sdk_sends(envd: Envd) -> None:
     """The SDK's JSON codec against our server: unary application/json."""
     client = process_connect.ProcessClientSync(envd.url, codec=ENVD_JSON_CODEC)
     assert json.loads(client.list(process_pb.ListRequest()).to_json() or "{}") is not None
+
+
+def test_process_stream_keepalive_and_tag(envd: Envd) -> None:
+    """Keepalives at the requested interval; Connect and SendSignal by tag."""
+    client = process_connect.ProcessClientSync(envd.url, codec=ENVD_JSON_CODEC)
+    tag = "tag-" + uuid.uuid4().hex
+    stream = as_stream(
+        client.start(
+            process_pb.StartRequest(process=process_pb.ProcessConfig(cmd="/bin/sleep", args=["30"]), tag=tag),
+            headers={"Keepalive-Ping-Interval": "1"},
+            timeout_ms=20_000,
+        )
+    )
+    try:
+        start = next(stream)
+        assert start.event is not None and start.event.event is not None
+        assert start.event.event.field == "start"
+        started = time.monotonic()
+        keepalive = next(stream)
+        assert keepalive.event is not None and keepalive.event.event is not None
+        assert keepalive.event.event.field == "keepalive"
+        assert 0.5 < time.monotonic() - started < 5
+        listed = client.list(process_pb.ListRequest())
+        assert [p.tag for p in listed.processes if p.tag == tag] == [tag]
+        by_tag: Oneof[Literal["tag"], str] = Oneof("tag", tag)
+        attached = as_stream(
+            client.connect(process_pb.ConnectRequest(process=process_pb.ProcessSelector(selector=by_tag)))
+        )
+        first = next(attached)
+        assert first.event is not None and first.event.event is not None
+        assert first.event.event.value.pid == start.event.event.value.pid  # type: ignore[union-attr]
+        client.send_signal(
+            process_pb.SendSignalRequest(
+                process=process_pb.ProcessSelector(selector=by_tag), signal=process_pb.Signal.SIGTERM
+            )
+        )
+        ends = [m for m in attached if m.event and m.event.event and m.event.event.field == "end"]
+        assert ends and ends[0].event.event.value.status == "signal: terminated"  # type: ignore[union-attr]
+    finally:
+        stream.close()
+
+
+def test_init_default_user_and_workdir(workdir: str) -> None:
+    server = _start_envd()
+    try:
+        os.chmod(workdir, 0o777)
+        resp = httpx.post(f"{server.url}/init", json={"defaultUser": "nobody", "defaultWorkdir": workdir})
+        assert resp.status_code == 204
+        sbx = server.sandbox()
+        assert sbx.commands.run("id -un; pwd").stdout == f"nobody\n{workdir}\n"
+        info = sbx.files.write(f"{workdir}/by-default.txt", "x")
+        assert sbx.files.get_info(info.path).owner == "nobody"
+        assert sbx.is_running()
+    finally:
+        assert "Traceback" not in _stop_envd(server)
+
+
+def test_watch_allows_network_mount_flag_on_local_dir(sbx: Sandbox, workdir: str) -> None:
+    handle = sbx.files.watch_dir(workdir, allow_network_mounts=True)
+    try:
+        Path(f"{workdir}/n.txt").write_text("x")
+        _wait_for(lambda: any(e.name == "n.txt" for e in handle.get_new_events()))
+    finally:
+        handle.stop()
+
+
+def test_unknown_route_answers_e2b_error(envd: Envd) -> None:
+    resp = httpx.get(f"{envd.url}/nope")
+    assert resp.status_code == 404 and resp.json()["code"] == 404
+    resp = httpx.delete(f"{envd.url}/files")
+    assert resp.status_code == 405 and resp.json()["code"] == 405
+
+
+def test_upload_through_symlink_writes_the_target(sbx: Sandbox, workdir: str) -> None:
+    Path(f"{workdir}/real.txt").write_text("old")
+    os.symlink(f"{workdir}/real.txt", f"{workdir}/alias.txt")
+    info = sbx.files.write(f"{workdir}/alias.txt", "new")
+    assert info.path == f"{workdir}/real.txt"
+    assert os.path.islink(f"{workdir}/alias.txt") and Path(f"{workdir}/real.txt").read_text() == "new"

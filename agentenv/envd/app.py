@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -57,6 +58,16 @@ class AccessTokenMiddleware:
         else:
             response = error_response(401, message)
         await response(scope, receive, send)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Unknown routes and methods answer in E2B's error shape too."""
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, exc.detail)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"internal error: {exc}")
 
 
 async def health(request: Request) -> Response:
@@ -133,6 +144,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
             Mount(f"/{FILESYSTEM_SERVICE}", app=filesystem_app(filesystem)),
         ],
         middleware=[Middleware(AccessTokenMiddleware, state=state)],
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     app.state.envd = state

@@ -162,6 +162,8 @@ class _Upload:
     """One file being written: temp file beside the target, renamed into place by ``commit``."""
 
     def __init__(self, target: str, user: User) -> None:
+        if os.path.islink(target):  # write through the link, as open(O_TRUNC) would
+            target = os.path.realpath(target)
         self.target = target
         self.user = user
         if os.path.isdir(target):
@@ -257,8 +259,9 @@ async def _upload_octet_stream(
     elif encoding not in ("", "identity"):
         raise HTTPFailure(400, f"unsupported Content-Encoding '{encoding}', supported: [identity, gzip]")
     path = resolve_path(raw_path, user)
-    await _receive_into(_Upload(path, user), body, metadata)
-    return [_written(path, metadata)]
+    file = _Upload(path, user)
+    await _receive_into(file, body, metadata)
+    return [_written(file.target, metadata)]
 
 
 async def _upload_multipart(
@@ -273,9 +276,9 @@ async def _upload_multipart(
         raw_path = path_param or part.filename
         if not raw_path:
             raise HTTPFailure(400, "a file part has no filename and no path query parameter was given")
-        path = resolve_path(raw_path, user)
-        await _receive_into(_Upload(path, user), body, metadata)
-        written.append(_written(path, metadata))
+        file = _Upload(resolve_path(raw_path, user), user)
+        await _receive_into(file, body, metadata)
+        written.append(_written(file.target, metadata))
     if not written:
         raise HTTPFailure(400, "the multipart body has no 'file' part")
     return written

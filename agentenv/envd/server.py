@@ -21,4 +21,6 @@ def main(argv: list[str] | None = None) -> None:
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=60,
+        # Process and watch streams stay open indefinitely; don't let them hold a shutdown up.
+        timeout_graceful_shutdown=3,
     )
