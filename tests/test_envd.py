@@ -698,3 +698,24 @@ def test_upload_through_symlink_writes_the_target(sbx: Sandbox, workdir: str) ->
     info = sbx.files.write(f"{workdir}/alias.txt", "new")
     assert info.path == f"{workdir}/real.txt"
     assert os.path.islink(f"{workdir}/alias.txt") and Path(f"{workdir}/real.txt").read_text() == "new"
+
+
+def test_download_encoding_negotiation(envd: Envd, workdir: str) -> None:
+    Path(f"{workdir}/z.txt").write_text("z" * 10_000)
+    url, params = f"{envd.url}/files", {"path": f"{workdir}/z.txt"}
+    plain = httpx.get(url, params=params, headers={"Accept-Encoding": "gzip, deflate"})
+    assert "content-encoding" not in plain.headers and plain.text == "z" * 10_000
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert plain.headers["content-disposition"] == 'inline; filename="z.txt"'
+    zipped = httpx.get(url, params=params, headers={"Accept-Encoding": "gzip"})
+    assert zipped.headers["content-encoding"] == "gzip" and zipped.text == "z" * 10_000
+    refused = httpx.get(url, params=params, headers={"Accept-Encoding": "br, identity;q=0"})
+    assert refused.status_code == 406 and refused.json()["code"] == 406
+
+
+def test_cors_preflight_needs_no_token(secured_envd: Envd) -> None:
+    resp = httpx.options(
+        f"{secured_envd.url}/process.Process/Start",
+        headers={"Origin": "http://example.test", "Access-Control-Request-Method": "POST"},
+    )
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"

@@ -12,6 +12,7 @@ from datetime import datetime
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -143,7 +144,18 @@ def create_app(settings: EnvdSettings) -> Starlette:
             Mount(f"/{PROCESS_SERVICE}", app=process_app(ProcessService(state, table))),
             Mount(f"/{FILESYSTEM_SERVICE}", app=filesystem_app(filesystem)),
         ],
-        middleware=[Middleware(AccessTokenMiddleware, state=state)],
+        middleware=[
+            # Browsers (the JS SDK in a page) preflight without the token: CORS goes first.
+            Middleware(
+                CORSMiddleware,
+                allow_origins=["*"],
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["*"],
+                max_age=7200,
+            ),
+            Middleware(AccessTokenMiddleware, state=state),
+        ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )

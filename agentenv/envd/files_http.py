@@ -59,7 +59,13 @@ def _user(request: Request) -> User:
 
 # --- download ------------------------------------------------------------------------------------
 def _accepts_gzip(accept_encoding: str) -> bool:
-    """True for gzip, False for identity; HTTPFailure 406 when neither is acceptable."""
+    """True for gzip, False for identity; HTTPFailure 406 when neither is acceptable.
+
+    Identity is acceptable unless excluded (RFC 9110 12.5.3), so gzip is chosen only when it is
+    asked for on its own (the SDK's ``gzip=True`` sends ``Accept-Encoding: gzip``) or identity is
+    refused: HTTP clients' blanket default (``gzip, deflate``) must not cost a compression pass
+    over every large download.
+    """
     weights: dict[str, float] = {}
     for item in accept_encoding.split(","):
         name, _, params = item.strip().partition(";")
@@ -73,9 +79,12 @@ def _accepts_gzip(accept_encoding: str) -> bool:
             except ValueError:
                 q = 0.0
         weights[name.strip().lower()] = q
-    if weights.get("gzip", 0.0) > 0:
-        return True
-    if weights.get("identity", weights.get("*", 1.0)) > 0 or not weights:
+    gzip_ok = weights.get("gzip", weights.get("*", 0.0)) > 0
+    identity_ok = weights.get("identity", weights.get("*", 1.0)) > 0
+    others = {name for name, q in weights.items() if q > 0} - {"gzip", "identity"}
+    if gzip_ok and (not identity_ok or not others):
+        return "gzip" in weights or not identity_ok
+    if identity_ok:
         return False
     raise HTTPFailure(406, "no acceptable encoding found, supported: [identity, gzip]")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
@@ -49,7 +48,9 @@ _libc: ctypes.CDLL | None = None
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The interpreter already links libc: look the symbols up there rather than via
+        # ctypes.util.find_library, which runs ldconfig/gcc (slow under gVisor, absent in templates).
+        _libc = ctypes.CDLL(None, use_errno=True)
         _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         _libc.inotify_init1.argtypes = [ctypes.c_int]
         _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
