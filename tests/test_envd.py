@@ -430,6 +430,11 @@ def test_watch_dir_events(sbx: Sandbox, workdir: str) -> None:
     handle = sbx.files.watch_dir(workdir, recursive=True, include_entry=True)
     try:
         sbx.files.write(f"{workdir}/w.txt", "1")
+        time.sleep(0.2)
+        first = handle.get_new_events()
+        sbx.files.write(f"{workdir}/w.txt", "overwritten")
+        time.sleep(0.2)
+        overwrite = handle.get_new_events()
         sbx.files.make_dir(f"{workdir}/sub")
         time.sleep(0.2)
         sbx.files.write(f"{workdir}/sub/deep.txt", "2")
@@ -438,8 +443,13 @@ def test_watch_dir_events(sbx: Sandbox, workdir: str) -> None:
         events = handle.get_new_events()
     finally:
         handle.stop()
+    # An upload reads like an in-place write; its temp file never shows.
+    assert [(e.name, e.type) for e in first] == [
+        ("w.txt", FilesystemEventType.CREATE),
+        ("w.txt", FilesystemEventType.WRITE),
+    ]
+    assert [(e.name, e.type) for e in overwrite] == [("w.txt", FilesystemEventType.WRITE)]
     seen = {(e.name, e.type) for e in events}
-    assert ("w.txt", FilesystemEventType.CREATE) in seen
     assert ("sub", FilesystemEventType.CREATE) in seen
     assert ("sub/deep.txt", FilesystemEventType.CREATE) in seen
     assert ("w.txt", FilesystemEventType.REMOVE) in seen

@@ -23,6 +23,7 @@ from agentenv.envd.entries import METADATA_XATTR_PREFIX, read_metadata
 from agentenv.envd.filesystem_service import chown_to, make_dirs
 from agentenv.envd.multipart import MultipartError, MultipartReader, boundary_from_content_type
 from agentenv.envd.state import EnvdState
+from agentenv.envd.tempnames import temp_upload_name
 from agentenv.envd.users import UnknownUserError, User, resolve_path
 
 _WRITE_BATCH = 1024 * 1024
@@ -108,6 +109,11 @@ async def _gzip_stream(path: str) -> AsyncIterator[bytes]:
     yield compressor.flush()
 
 
+class _LargeChunkFileResponse(FileResponse):
+    # Each chunk is a worker-thread round trip; 64 KiB chunks make big downloads slow under gVisor.
+    chunk_size = 1024 * 1024
+
+
 async def download(request: Request) -> Response:
     try:
         user = _user(request)
@@ -134,7 +140,7 @@ async def download(request: Request) -> Response:
         headers["Content-Encoding"] = "gzip"
         headers["Vary"] = "Accept-Encoding"
         return StreamingResponse(_gzip_stream(path), media_type=media_type, headers=headers)
-    return FileResponse(path, media_type=media_type, headers=headers, stat_result=st)
+    return _LargeChunkFileResponse(path, media_type=media_type, headers=headers, stat_result=st)
 
 
 # --- upload --------------------------------------------------------------------------------------
@@ -182,7 +188,8 @@ class _Upload:
             make_dirs(parent, user)
         except NotADirectoryError:
             raise HTTPFailure(400, f"a parent of '{target}' is not a directory") from None
-        self.temp = os.path.join(parent, f".{os.path.basename(target)}.envd-upload-{os.urandom(6).hex()}")
+        replacing = os.path.lexists(target)
+        self.temp = os.path.join(parent, temp_upload_name(os.path.basename(target), replacing))
         self._file: BinaryIO = open(self.temp, "xb")
         self._pending = bytearray()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentenv.envd.proto.filesystem_pb import EventType
+from agentenv.envd.tempnames import parse_temp_upload_name
 
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
@@ -80,6 +81,8 @@ class DirectoryWatcher:
         self._on_event = on_event
         self._fd = _check(_lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         self._dirs: dict[int, str] = {}
+        #: rename cookie -> the upload temp file moved away under it (see tempnames)
+        self._upload_moves: dict[int, tuple[str, bool]] = {}
         self._closed = False
         try:
             self._add_tree(root)
@@ -116,12 +119,12 @@ class DirectoryWatcher:
             raise
         offset = 0
         while offset + _HEADER.size <= len(data):
-            wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+            wd, mask, cookie, length = _HEADER.unpack_from(data, offset)
             raw_name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
             offset += _HEADER.size + length
-            self._handle(wd, mask, os.fsdecode(raw_name))
+            self._handle(wd, mask, cookie, os.fsdecode(raw_name))
 
-    def _handle(self, wd: int, mask: int, name: str) -> None:
+    def _handle(self, wd: int, mask: int, cookie: int, name: str) -> None:
         if mask & IN_IGNORED:
             self._dirs.pop(wd, None)
             return
@@ -129,6 +132,8 @@ class DirectoryWatcher:
         if base is None:
             return
         path = os.path.join(base, name) if name else base
+        if self._upload_event(mask, cookie, name, path):
+            return
         if self._recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
             try:
                 self._add_tree(path)
@@ -141,6 +146,24 @@ class DirectoryWatcher:
                 rel = os.path.relpath(path, self.root)
                 self._on_event(WatchEvent(name="" if rel == "." else rel, path=path, type=event_type))
                 return
+
+    def _upload_event(self, mask: int, cookie: int, name: str, path: str) -> bool:
+        """Hide upload temp files; their rename into place reads as create (if new) + write."""
+        upload = parse_temp_upload_name(name) if name else None
+        if upload is not None:
+            if mask & IN_MOVED_FROM:
+                self._upload_moves[cookie] = upload
+                if len(self._upload_moves) > 1024:  # a rename whose other half we never saw
+                    self._upload_moves.pop(next(iter(self._upload_moves)))
+            return True
+        if not mask & IN_MOVED_TO or cookie not in self._upload_moves:
+            return False
+        _, is_new = self._upload_moves.pop(cookie)
+        rel = os.path.relpath(path, self.root)
+        if is_new:
+            self._on_event(WatchEvent(name=rel, path=path, type=EventType.CREATE))
+        self._on_event(WatchEvent(name=rel, path=path, type=EventType.WRITE))
+        return True
 
     def close(self) -> None:
         if self._closed:
