@@ -7,6 +7,7 @@ envd runs as a real subprocess (``python -m agentenv.envd``) on a free loopback 
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import io
@@ -729,3 +730,44 @@ def test_cors_preflight_needs_no_token(secured_envd: Envd) -> None:
         headers={"Origin": "http://example.test", "Access-Control-Request-Method": "POST"},
     )
     assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+
+
+def test_full_disk_upload_is_507_and_leaves_nothing(sbx: Sandbox, workdir: str) -> None:
+    mount_point = f"{workdir}/small"
+    os.mkdir(mount_point)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "envd-test-tmpfs", mount_point], check=True)
+    try:
+        Path(f"{mount_point}/keep.bin").write_bytes(b"k" * 1000)
+        with pytest.raises(SandboxException, match="not enough disk space"):
+            sbx.files.write(f"{mount_point}/keep.bin", os.urandom(2 * 1024 * 1024))
+        assert os.listdir(mount_point) == ["keep.bin"]
+        assert Path(f"{mount_point}/keep.bin").read_bytes() == b"k" * 1000
+    finally:
+        subprocess.run(["umount", mount_point], check=True)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_orphans_are_reaped_when_envd_is_pid_1() -> None:
+    """In a sandbox envd is init: orphaned grandchildren must not pile up as zombies."""
+    port = _free_port()
+    log = Path(tempfile.mkstemp(prefix="envd-test-log-")[1])
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM", sys.executable, "-m", "agentenv.envd",
+             "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
+    try:
+        _wait_for(lambda: _healthy(server.url), timeout=20)
+        sbx = server.sandbox()
+        assert sbx.commands.run("echo $$ $PPID; cat /proc/1/cmdline | tr '\\0' ' '").stdout.split()[1] == "1"
+        sbx.commands.run("for i in 1 2 3; do (sleep 0.1 &) ; done; true")
+        count = "grep -l '^[0-9]* ([^)]*) Z' /proc/[0-9]*/stat 2>/dev/null | wc -l"
+        _wait_for(lambda: sbx.commands.run(count).stdout.strip() == "0", timeout=10)
+    finally:
+        # unshare does not pass SIGTERM on: stop envd (its only child) directly.
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+                os.kill(int(child), signal.SIGTERM)
+        assert "Traceback" not in _stop_envd(server)
