@@ -752,11 +752,9 @@ def test_orphans_are_reaped_when_envd_is_pid_1() -> None:
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix="envd-test-log-")[1])
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM", sys.executable, "-m", "agentenv.envd",
-             "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
+        envd_cmd = [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port)]
+        proc = subprocess.Popen(unshare + envd_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
     try:
         _wait_for(lambda: _healthy(server.url), timeout=20)
