@@ -769,3 +769,50 @@ def test_orphans_are_reaped_when_envd_is_pid_1() -> None:
             for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
                 os.kill(int(child), signal.SIGTERM)
         assert "Traceback" not in _stop_envd(server)
+
+
+JS_SDK = REPO / "tests" / "js" / "node_modules" / "e2b" / "dist" / "index.mjs"
+JS_SMOKE = """
+import { Sandbox } from '%(sdk)s'
+const [url, dir] = process.argv.slice(2)
+const sbx = new Sandbox({ sandboxId: 'js', sandboxUrl: url, envdVersion: '0.6.4', apiKey: 'e2b_js' })
+const out = {}
+const r = await sbx.commands.run('echo js-hi; echo e >&2')
+out.run = [r.stdout, r.stderr, r.exitCode]
+try { await sbx.commands.run('exit 4') } catch (e) { out.exit = e.exitCode }
+const events = []
+const watcher = await sbx.files.watchDir(dir, (ev) => events.push([ev.name, ev.type]))
+await sbx.files.write(dir + '/f.txt', 'hello js')
+await new Promise((resolve) => setTimeout(resolve, 500))
+await watcher.stop()
+out.events = events
+out.read = await sbx.files.read(dir + '/f.txt')
+const h = await sbx.commands.run('sleep 20', { background: true })
+out.killed = await sbx.commands.kill(h.pid)
+let screen = ''
+const onData = (d) => { screen += new TextDecoder().decode(d) }
+const pty = await sbx.pty.create({ cols: 80, rows: 24, onData })
+await sbx.pty.sendInput(pty.pid, new TextEncoder().encode('stty size; exit\\n'))
+await pty.wait().catch(() => {})
+out.pty = screen.includes('24 80')
+console.log(JSON.stringify(out))
+"""
+
+
+@pytest.mark.skipif(
+    shutil.which("node") is None or not JS_SDK.exists(), reason="needs node and tests/js deps"
+)
+def test_js_sdk_against_envd(envd: Envd, workdir: str) -> None:
+    """The npm SDK streams WatchDir over connect+json (the Python SDK polls a watcher instead)."""
+    script = Path(workdir) / "smoke.mjs"
+    script.write_text(JS_SMOKE % {"sdk": JS_SDK})
+    done = subprocess.run(
+        ["node", str(script), envd.url, workdir], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["run"] == ["js-hi\n", "e\n", 0]
+    assert out["exit"] == 4
+    assert out["events"] == [["f.txt", "create"], ["f.txt", "write"]]
+    assert out["read"] == "hello js"
+    assert out["killed"] is True and out["pty"] is True
