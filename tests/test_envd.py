@@ -816,3 +816,53 @@ def test_js_sdk_against_envd(envd: Envd, workdir: str) -> None:
     assert out["events"] == [["f.txt", "create"], ["f.txt", "write"]]
     assert out["read"] == "hello js"
     assert out["killed"] is True and out["pty"] is True
+
+
+def test_files_compose(envd: Envd, workdir: str) -> None:
+    for name, data in (("p1", b"abc"), ("p2", b"def"), ("p3", b"g")):
+        Path(f"{workdir}/{name}").write_bytes(data)
+    resp = httpx.post(
+        f"{envd.url}/files/compose",
+        json={
+            "source_paths": [f"{workdir}/p1", f"{workdir}/p2", f"{workdir}/p3"],
+            "destination": f"{workdir}/out/all",
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"name": "all", "type": "file", "path": f"{workdir}/out/all"}
+    assert Path(f"{workdir}/out/all").read_bytes() == b"abcdefg"
+    assert sorted(os.listdir(workdir)) == ["out"]  # sources deleted
+    missing = httpx.post(
+        f"{envd.url}/files/compose", json={"source_paths": [f"{workdir}/nope"], "destination": f"{workdir}/x"}
+    )
+    assert missing.status_code == 404 and missing.json()["code"] == 404
+    bad = httpx.post(f"{envd.url}/files/compose", content=b"[1")
+    assert bad.status_code == 400 and bad.json()["code"] == 400
+
+
+def test_large_transfers_are_not_held_in_memory(workdir: str) -> None:
+    """A fresh envd's peak RSS must not grow by the size of 50 MiB uploads and downloads."""
+    server = _start_envd()
+    try:
+        sbx = server.sandbox()
+
+        def peak_rss_kib() -> int:
+            status = Path(f"/proc/{server.proc.pid}/status").read_text()
+            return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+
+        sbx.files.write(f"{workdir}/warm.bin", b"w" * 1024)
+        before = peak_rss_kib()
+
+        def chunks() -> Iterator[bytes]:
+            block = os.urandom(1024 * 1024)
+            for _ in range(50):
+                yield block
+
+        sbx.files.write(f"{workdir}/streamed.bin", chunks())  # octet-stream
+        sbx.files.write(f"{workdir}/multipart.bin", os.urandom(50 * 1024 * 1024), use_octet_stream=False)
+        with sbx.files.read(f"{workdir}/multipart.bin", format="stream") as stream:
+            assert sum(len(chunk) for chunk in stream) == 50 * 1024 * 1024
+        assert os.path.getsize(f"{workdir}/streamed.bin") == 50 * 1024 * 1024
+        assert peak_rss_kib() - before < 20 * 1024
+    finally:
+        assert "Traceback" not in _stop_envd(server)

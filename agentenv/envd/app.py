@@ -19,7 +19,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.envd import metrics
-from agentenv.envd.files_http import download, error_response, upload
+from agentenv.envd.files_http import compose, download, error_response, upload
 from agentenv.envd.filesystem_service import FilesystemService
 from agentenv.envd.process_service import ProcessService
 from agentenv.envd.processes import ProcessTable
@@ -141,6 +141,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
             Route("/metrics", get_metrics, methods=["GET"]),
             Route("/files", download, methods=["GET"]),
             Route("/files", upload, methods=["POST"]),
+            Route("/files/compose", compose, methods=["POST"]),
             Mount(f"/{PROCESS_SERVICE}", app=process_app(ProcessService(state, table))),
             Mount(f"/{FILESYSTEM_SERVICE}", app=filesystem_app(filesystem)),
         ],
