@@ -866,3 +866,38 @@ def test_large_transfers_are_not_held_in_memory(workdir: str) -> None:
         assert peak_rss_kib() - before < 20 * 1024
     finally:
         assert "Traceback" not in _stop_envd(server)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
+    """Like an E2B template: a ``user`` account exists, so it is the default (private mount ns)."""
+    home = tmp_path / "home-user"
+    home.mkdir()
+    os.chown(home, 61000, 61000)
+    passwd, group = tmp_path / "passwd", tmp_path / "group"
+    passwd.write_text(Path("/etc/passwd").read_text() + f"user:x:61000:61000::{home}:/bin/bash\n")
+    group.write_text(Path("/etc/group").read_text() + "user:x:61000:\n")
+    port = _free_port()
+    log = tmp_path / "envd.log"
+    script = (
+        f"mount --bind {passwd} /etc/passwd && mount --bind {group} /etc/group && "
+        f"exec {sys.executable} -m agentenv.envd --host 127.0.0.1 --port {port}"
+    )
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
+    try:
+        _wait_for(lambda: _healthy(server.url), timeout=20)
+        sbx = server.sandbox()
+        result = sbx.commands.run("id -un; pwd; echo $HOME $USER")
+        assert result.stdout == f"user\n{home}\n{home} user\n"
+        info = sbx.files.write("relative.txt", "mine")
+        assert info.path == f"{home}/relative.txt"
+        assert sbx.files.get_info("relative.txt").owner == "user"
+        assert sbx.commands.run("whoami", user="root").stdout == "root\n"  # type: ignore[arg-type]
+    finally:
+        log_text = _stop_envd(server)
+        assert "Traceback" not in log_text

@@ -270,6 +270,8 @@ class ProcessTable:
         finally:
             for reader in readers:
                 reader.cancel()
+            # Let the readers unregister before the fd is closed (and its number reused).
+            await asyncio.gather(*readers, return_exceptions=True)
             if managed.pty_fd is not None:
                 asyncio.get_running_loop().remove_reader(managed.pty_fd)
                 os.close(managed.pty_fd)
