@@ -901,3 +901,23 @@ def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
     finally:
         log_text = _stop_envd(server)
         assert "Traceback" not in log_text
+
+
+def test_envd_imports_stay_lean() -> None:
+    """envd runs from the read-only in-sandbox bundle: none of the control plane's stack."""
+    probe = (
+        "import sys, agentenv.envd.server\n"
+        "heavy = ('pydantic', 'pydantic_settings', 'fastapi', 'httpx', 'typer', 'aiosqlite')\n"
+        "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('agentenv.config')])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_envd_version_matches_the_control_plane() -> None:
+    from agentenv.config import ENVD_PORT as CONFIG_PORT
+    from agentenv.config import ENVD_VERSION as CONFIG_VERSION
+    from agentenv.envd import settings
+
+    assert (settings.ENVD_VERSION, settings.ENVD_PORT) == (CONFIG_VERSION, CONFIG_PORT)
+    assert Version(settings.ENVD_VERSION) == ENVD_VERSION  # what these tests tell the SDK
