@@ -210,48 +210,13 @@ class ProcessTable:
     ) -> ManagedProcess:
         """Spawn and register. No output is read before the caller's next await, so a caller
         that subscribes right away sees everything."""
-        uid, gid, groups = _identity(user)
-        master: int | None = None
         self._spawning += 1
         try:
             if pty_size is not None:
-                master, slave = pty.openpty()
-                try:
-                    _set_winsize(slave, *pty_size)
-                    proc = await asyncio.create_subprocess_exec(
-                        config.cmd,
-                        *config.args,
-                        stdin=slave,
-                        stdout=slave,
-                        stderr=slave,
-                        cwd=cwd,
-                        env=env,
-                        start_new_session=True,
-                        preexec_fn=_set_controlling_tty,
-                        user=uid,
-                        group=gid,
-                        extra_groups=groups,
-                    )
-                finally:
-                    os.close(slave)
-                os.set_blocking(master, False)
+                proc, master = await _spawn_on_pty(config, cwd, env, user, pty_size)
             else:
-                proc = await asyncio.create_subprocess_exec(
-                    config.cmd,
-                    *config.args,
-                    stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    user=uid,
-                    group=gid,
-                    extra_groups=groups,
-                )
+                proc, master = await _spawn_with_pipes(config, cwd, env, user, stdin), None
         except OSError as exc:
-            if master is not None:
-                os.close(master)
             raise ConnectError(Code.INVALID_ARGUMENT, f"failed to start '{config.cmd}': {exc}") from None
         finally:
             self._spawning -= 1
@@ -289,6 +254,57 @@ class ProcessTable:
     async def shutdown(self) -> None:
         for managed in self.list():
             managed.send_signal(signal.SIGKILL)
+
+
+async def _spawn_with_pipes(
+    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, stdin: bool
+) -> asyncio.subprocess.Process:
+    uid, gid, groups = _identity(user)
+    return await asyncio.create_subprocess_exec(
+        config.cmd,
+        *config.args,
+        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        user=uid,
+        group=gid,
+        extra_groups=groups,
+    )
+
+
+async def _spawn_on_pty(
+    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, size: tuple[int, int]
+) -> tuple[asyncio.subprocess.Process, int]:
+    """The child gets a new session with the PTY's slave as controlling terminal; envd keeps the
+    master (non-blocking) for output and input."""
+    uid, gid, groups = _identity(user)
+    master, slave = pty.openpty()
+    try:
+        _set_winsize(slave, *size)
+        proc = await asyncio.create_subprocess_exec(
+            config.cmd,
+            *config.args,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_set_controlling_tty,
+            user=uid,
+            group=gid,
+            extra_groups=groups,
+        )
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    os.set_blocking(master, False)
+    return proc, master
 
 
 def _identity(user: User) -> tuple[int | None, int | None, list[int] | None]:

@@ -31,6 +31,7 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
     parser.add_argument("--port", type=int, default=int(env.get("AGENTENV_ENVD_PORT", ENVD_PORT)))
     parser.add_argument("--access-token", default=env.get("AGENTENV_ENVD_ACCESS_TOKEN") or None)
     parser.add_argument("--log-level", default=env.get("AGENTENV_ENVD_LOG_LEVEL", "warning"))
+    parser.add_argument("--version", action="version", version=ENVD_VERSION)
     args = parser.parse_args(argv)
     return EnvdSettings(
         host=args.host, port=args.port, access_token=args.access_token, log_level=args.log_level
