@@ -378,9 +378,14 @@ def test_upload_to_directory_path_is_rejected(sbx: Sandbox, workdir: str) -> Non
 
 def test_write_files_multipart_many(sbx: Sandbox, workdir: str) -> None:
     infos = sbx.files.write_files(
-        [{"path": f"{workdir}/m1.txt", "data": "one"}, {"path": f"{workdir}/sub/m2.bin", "data": b"\x00\x01"}]
+        [
+            {"path": f"{workdir}/m1.txt", "data": "one"},
+            {"path": f"{workdir}/sub/m2.bin", "data": b"\x00\x01"},
+            {"path": f"{workdir}/ünï cödé.txt", "data": "ü"},
+        ]
     )
-    assert [i.path for i in infos] == [f"{workdir}/m1.txt", f"{workdir}/sub/m2.bin"]
+    assert [i.path for i in infos] == [f"{workdir}/m1.txt", f"{workdir}/sub/m2.bin", f"{workdir}/ünï cödé.txt"]
+    assert sbx.files.read(f"{workdir}/ünï cödé.txt") == "ü"
     assert Path(f"{workdir}/m1.txt").read_text() == "one"
     assert Path(f"{workdir}/sub/m2.bin").read_bytes() == b"\x00\x01"
 
