@@ -357,8 +357,7 @@ def test_missing_file_and_directory_errors(sbx: Sandbox, envd: Envd, workdir: st
         sbx.files.read(f"{workdir}/nope.txt")
     with pytest.raises(FileNotFoundException):
         sbx.files.list(f"{workdir}/nope")
-    with pytest.raises(FileNotFoundException):
-        sbx.files.remove(f"{workdir}/nope")
+    sbx.files.remove(f"{workdir}/nope")  # idempotent, like E2B's envd (os.RemoveAll)
     resp = httpx.get(f"{envd.url}/files", params={"path": f"{workdir}/nope.txt"})
     assert resp.status_code == 404
     assert resp.json() == {"code": 404, "message": f"path '{workdir}/nope.txt' does not exist"}
@@ -384,7 +383,7 @@ def test_write_files_multipart_many(sbx: Sandbox, workdir: str) -> None:
             {"path": f"{workdir}/ünï cödé.txt", "data": "ü"},
         ]
     )
-    assert [i.path for i in infos] == [f"{workdir}/m1.txt", f"{workdir}/sub/m2.bin", f"{workdir}/ünï cödé.txt"]
+    assert [i.path for i in infos] == [f"{workdir}/{n}" for n in ("m1.txt", "sub/m2.bin", "ünï cödé.txt")]
     assert sbx.files.read(f"{workdir}/ünï cödé.txt") == "ü"
     assert Path(f"{workdir}/m1.txt").read_text() == "one"
     assert Path(f"{workdir}/sub/m2.bin").read_bytes() == b"\x00\x01"

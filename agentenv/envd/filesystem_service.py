@@ -207,6 +207,7 @@ class FilesystemService:
     async def remove(
         self, request: RemoveRequest, ctx: RequestContext[RemoveRequest, RemoveResponse]
     ) -> RemoveResponse:
+        """Like Go's os.RemoveAll, which E2B's envd uses: removing what is not there succeeds."""
         path, _ = self._path(request.path, ctx)
         try:
             st = os.lstat(path)
@@ -214,6 +215,8 @@ class FilesystemService:
                 await asyncio.to_thread(shutil.rmtree, path)
             else:
                 os.unlink(path)
+        except FileNotFoundError:
+            pass
         except OSError as exc:
             raise os_error_to_connect(exc, path) from None
         return RemoveResponse()
