@@ -1,0 +1,68 @@
+"""Guest memory files of Firecracker snapshots.
+
+A ``Diff`` snapshot's memory file is sparse: it holds only the pages dirtied since the previous
+snapshot, at their guest offsets, and holes elsewhere. Restoring needs one complete file, so a
+diff is merged onto (a reflink clone of) its parent's memory: only the dirty pages are written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+_CHUNK = 8 << 20
+
+
+def data_ranges(path: Path) -> Iterator[tuple[int, int]]:
+    """(offset, length) of every allocated range of a sparse file (SEEK_DATA/SEEK_HOLE)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data after offset
+                    return
+                raise
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            yield start, end - start
+            offset = end
+    finally:
+        os.close(fd)
+
+
+def copy_cow(src: Path, dst: Path) -> None:
+    """Copy by reflink where the file system can, else a sparse copy (never a dense one)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["cp", "--reflink=auto", "--sparse=always", str(src), str(dst)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise OSError(f"cp {src} {dst}: {proc.stderr.strip()}")
+
+
+def merge_diff_memory(parent_memory: Path, diff_memory: Path, out: Path) -> int:
+    """Write ``out`` = parent memory with the diff's dirty pages applied; return bytes written."""
+    copy_cow(parent_memory, out)
+    written = 0
+    with open(diff_memory, "rb") as src, open(out, "r+b") as dst:
+        for start, length in data_ranges(diff_memory):
+            src.seek(start)
+            dst.seek(start)
+            remaining = length
+            while remaining:
+                chunk = src.read(min(_CHUNK, remaining))
+                if not chunk:
+                    break
+                dst.write(chunk)
+                remaining -= len(chunk)
+                written += len(chunk)
+        diff_size = os.fstat(src.fileno()).st_size
+        if diff_size > os.fstat(dst.fileno()).st_size:
+            dst.truncate(diff_size)
+    return written
