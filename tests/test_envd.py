@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -925,3 +926,19 @@ def test_envd_version_matches_the_control_plane() -> None:
 
     assert (settings.ENVD_VERSION, settings.ENVD_PORT) == (CONFIG_VERSION, CONFIG_PORT)
     assert Version(settings.ENVD_VERSION) == ENVD_VERSION  # what these tests tell the SDK
+
+
+def test_aborted_upload_leaves_no_partial_file(envd: Envd, workdir: str) -> None:
+    """The client goes away mid-body: no target, no temp file."""
+    port = int(envd.url.rsplit(":", 1)[1])
+    target = urllib.parse.quote(f"{workdir}/half.bin")
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(
+            f"POST /files?path={target} HTTP/1.1\r\nHost: envd\r\n"
+            "Content-Type: application/octet-stream\r\nContent-Length: 10000000\r\n\r\n".encode()
+        )
+        conn.sendall(b"x" * 3_000_000)
+        time.sleep(0.3)
+    _wait_for(lambda: os.listdir(workdir) == [], timeout=5)
+    time.sleep(0.3)
+    assert os.listdir(workdir) == []
