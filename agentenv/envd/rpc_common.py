@@ -46,10 +46,13 @@ async def with_keepalives(queue: asyncio.Queue[T | None], interval: float, keepa
     """
     while True:
         try:
-            item = await asyncio.wait_for(queue.get(), timeout=interval)
-        except TimeoutError:
-            yield keepalive
-            continue
+            item = queue.get_nowait()  # busy stream: skip the timer wait_for sets up
+        except asyncio.QueueEmpty:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=interval)
+            except TimeoutError:
+                yield keepalive
+                continue
         if item is None:
             return
         yield item
