@@ -39,6 +39,7 @@ import fcntl
 import ipaddress
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -116,9 +117,21 @@ def slot_count(settings: Settings) -> int:
 
 
 def _claim_slot(settings: Settings, sandbox_id: str, skip: set[int]) -> int:
+    """Claim the next free slot after the one claimed last (round robin, not lowest-free).
+
+    Handing a just-freed address straight to the next sandbox would let clients' pooled
+    keep-alive connections (the SDK's, the proxy's) and conntrack entries of the dead sandbox
+    hit the new one; cycling through the subnet keeps addresses unused for a long while."""
     net_dir = _net_dir(settings)
-    # Slot 0 holds the subnet's network address; start at 1 so addresses read naturally.
-    for slot in range(1, slot_count(settings)):
+    count = slot_count(settings)
+    cursor = net_dir / "last-slot"
+    try:
+        last = int(cursor.read_text())
+    except (OSError, ValueError):
+        last = 0
+    # Slot 0 holds the subnet's network address; slots run 1..count-1 so addresses read naturally.
+    for step in range(1, count):
+        slot = (last + step - 1) % (count - 1) + 1
         if slot in skip or Path(f"/sys/class/net/{HOST_IF_PREFIX}{slot}").exists():
             continue
         try:
@@ -127,6 +140,9 @@ def _claim_slot(settings: Settings, sandbox_id: str, skip: set[int]) -> int:
             continue
         with os.fdopen(fd, "w") as f:
             f.write(sandbox_id + "\n")
+        tmp = net_dir / f".last-slot.{os.getpid()}"
+        tmp.write_text(str(slot))
+        os.replace(tmp, cursor)
         return slot
     raise NetworkError("no free network slot left in the sandbox subnet", code=503)
 
@@ -174,21 +190,31 @@ def _global_lock() -> Iterator[None]:
 
 async def ensure_chains() -> None:
     """Create the AGENTENV chains and their hooks once (idempotent, safe across processes)."""
+    # In a thread: the flock may wait for another process, and must not block the event loop
+    # (concurrent creates in this process would deadlock on it).
+    await asyncio.to_thread(_ensure_chains_locked)
+
+
+def _ensure_chains_locked() -> None:
     hooks: list[tuple[str, str, tuple[str, ...]]] = [
         ("filter", "INPUT", ("-i", HOST_IF_PREFIX + "+", "-j", CHAIN)),
         ("filter", "FORWARD", ("-j", CHAIN)),
         ("nat", "POSTROUTING", ("-j", CHAIN)),
     ]
-    # flock blocks the thread briefly (a few iptables calls), only for the first sandbox.
+
+    def iptables(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["iptables", "-w", "10", *args], capture_output=True, text=True)
+
     with _global_lock():
         for table in ("filter", "nat"):
-            code, out = await _iptables("-N", CHAIN, table=table, check=False)
-            if code != 0 and "exists" not in out:
-                raise NetworkError(f"cannot create iptables chain {CHAIN} in {table}: {out}")
+            proc = iptables("-t", table, "-N", CHAIN)
+            if proc.returncode != 0 and "exists" not in proc.stderr:
+                raise NetworkError(f"cannot create iptables chain {CHAIN} in {table}: {proc.stderr}")
         for table, hook, rule in hooks:
-            code, _ = await _iptables("-C", hook, *rule, table=table, check=False)
-            if code != 0:
-                await _iptables("-I", hook, "1", *rule, table=table)
+            if iptables("-t", table, "-C", hook, *rule).returncode != 0:
+                proc = iptables("-t", table, "-I", hook, "1", *rule)
+                if proc.returncode != 0:
+                    raise NetworkError(f"cannot hook {CHAIN} into {table} {hook}: {proc.stderr}")
 
 
 def _filter_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:

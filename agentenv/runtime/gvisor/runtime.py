@@ -215,7 +215,9 @@ class GvisorRuntime(Runtime):
                 capture_output=True, text=True,
             )
             if proc.returncode != 0:
-                raise RuntimeError_(f"mounting the root file system failed: {proc.stderr.strip()}")
+                raise RuntimeError_(
+                    f"mounting the root file system of sandbox {sandbox_id} failed: {proc.stderr.strip()}"
+                )
         return paths.rootfs
 
     def unmount_rootfs(self, sandbox_id: str) -> None:
@@ -287,8 +289,9 @@ class GvisorRuntime(Runtime):
     async def teardown_network(self, sandbox_id: str, net: SandboxNetwork | None = None) -> None:
         await network.teardown_network(self.settings, sandbox_id, net)
 
-    async def wait_for_envd(self, sandbox_id: str, url: str, limit: float = ENVD_START_TIMEOUT) -> None:
+    async def wait_for_envd(self, sandbox_id: str, url: str, limit: float | None = None) -> None:
         """Return once envd answers ``GET /health``; fail early when the container died."""
+        limit = ENVD_START_TIMEOUT if limit is None else limit
         deadline = time.monotonic() + limit
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while True:

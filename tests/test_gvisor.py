@@ -1,0 +1,207 @@
+"""GvisorRuntime with real runsc: create from ``base``, envd through the e2b SDK, kill, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox
+from e2b.connection_config import ConnectionConfig
+from packaging.version import Version
+
+from agentenv.config import Settings
+from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, TemplateImage
+from agentenv.runtime.gvisor.runtime import (
+    GvisorRuntime,
+    cgroup_exists,
+    container_id,
+    runsc_processes,
+)
+from agentenv.runtime.network import netns_name
+from conftest import RuntimeFactory, SandboxFactory, unique_id
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="gVisor sandboxes need root"),
+]
+
+
+@pytest.fixture(scope="module")
+def gvisor(runtime_factory: RuntimeFactory) -> GvisorRuntime:
+    runtime = runtime_factory("gvisor")
+    assert isinstance(runtime, GvisorRuntime)
+    return runtime
+
+
+def sdk_sandbox(instance: SandboxInstance, token: str | None = None) -> Sandbox:
+    """The official SDK pointed straight at the sandbox's envd (no control plane)."""
+    headers = {"E2b-Sandbox-Id": instance.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    if token:
+        headers["X-Access-Token"] = token
+    config = ConnectionConfig(sandbox_url=instance.envd_url, api_key="e2b_test", extra_sandbox_headers=headers)
+    return Sandbox(
+        sandbox_id=instance.sandbox_id, sandbox_domain=None, envd_version=Version("0.6.4"),
+        envd_access_token=token, connection_config=config,
+    )
+
+
+async def run(instance: SandboxInstance, cmd: str, user: str = "root", timeout: float = 60) -> tuple[int, str]:
+    """Run ``cmd`` in the sandbox through envd's Process service; (exit code, stdout+stderr)."""
+    sbx = sdk_sandbox(instance)
+
+    def call() -> tuple[int, str]:
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        try:
+            result = sbx.commands.run(cmd, user=user, timeout=timeout)  # type: ignore[arg-type]
+        except CommandExitException as exc:
+            return exc.exit_code, exc.stdout + exc.stderr
+        return result.exit_code, result.stdout + result.stderr
+
+    return await asyncio.to_thread(call)
+
+
+def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
+    """Every host resource of the sandbox that still exists (empty when it is fully gone)."""
+    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if sandbox_id in line]
+    found: dict[str, object] = {
+        "processes": runsc_processes(container_id(sandbox_id), runtime.runsc_root),
+        "mounts": mounts,
+        "netns": Path(f"/var/run/netns/{netns_name(sandbox_id)}").exists(),
+        "cgroups": cgroup_exists(sandbox_id),
+        "dir": runtime.paths(sandbox_id).root.exists(),
+        "runsc_state": (runtime.runsc_root / container_id(sandbox_id)).exists()
+        or any(p.name.startswith(container_id(sandbox_id)) for p in runtime.runsc_root.glob("*")),
+    }
+    return {k: v for k, v in found.items() if v}
+
+
+async def test_probe_and_platform(gvisor: GvisorRuntime) -> None:
+    assert GvisorRuntime.probe() is None
+    # kvm only where /dev/kvm can run hardware-virtualised guests; this check must agree.
+    from agentenv.runtime.registry import kvm_unusable_reason
+
+    assert gvisor.platform() in ("kvm", "ptrace")
+    if kvm_unusable_reason() is not None:
+        assert gvisor.platform() == "ptrace"
+
+
+async def test_create_health_command_kill(
+    gvisor: GvisorRuntime, base_template: TemplateImage, sandbox_factory: SandboxFactory
+) -> None:
+    started = time.monotonic()
+    instance = await sandbox_factory(gvisor, envs={"AGENTENV_TEST_VAR": "from-spec"})
+    print(f"\ngvisor create to /health: {time.monotonic() - started:.2f}s")
+    async with httpx.AsyncClient(trust_env=False) as client:
+        response = await client.get(f"{instance.envd_url}/health")
+    assert response.status_code == 204
+    assert await gvisor.is_alive(instance)
+
+    code, out = await run(instance, "cat /etc/debian_version; echo $AGENTENV_TEST_VAR; id -un; hostname")
+    assert code == 0, out
+    lines = out.split()
+    assert lines[0].startswith("12")  # the base template is bookworm
+    assert "from-spec" in lines and "root" in lines
+    code, out = await run(instance, "id -u; echo $HOME", user="user")
+    assert code == 0 and out.split() == ["1000", "/home/user"], out
+
+    # Writes land in the private upper layer, never in the shared template.
+    code, out = await run(instance, "echo data > /home/user/note && cat /home/user/note")
+    assert (code, out.strip()) == (0, "data")
+    assert (gvisor.paths(instance.sandbox_id).upper / "home/user/note").read_text() == "data\n"
+    assert not (base_template.rootfs / "home/user/note").exists()
+
+    metrics = await gvisor.metrics(instance)
+    assert metrics.cpu_count == base_template.vcpus
+    assert 0 < metrics.mem_used <= metrics.mem_total == base_template.memory_mb << 20
+    assert metrics.disk_used > 0
+
+    started = time.monotonic()
+    await gvisor.kill(instance)
+    print(f"gvisor kill: {time.monotonic() - started:.2f}s")
+    assert leftovers(gvisor, instance.sandbox_id) == {}
+    assert not await gvisor.is_alive(instance)
+    await gvisor.kill(instance)  # idempotent
+
+
+async def test_python_in_sandbox_is_the_templates(gvisor: GvisorRuntime, sandbox_factory: SandboxFactory) -> None:
+    """envd's bundled interpreter must not leak into user processes (PYTHONHOME etc.)."""
+    instance = await sandbox_factory(gvisor)
+    code, out = await run(instance, "python3 -c 'import sys; print(sys.prefix)'; env | grep -c PYTHON || true")
+    assert code == 0, out
+    assert out.split() == ["/usr", "0"]
+
+
+async def test_limits_in_oci_spec(gvisor: GvisorRuntime, base_template: TemplateImage) -> None:
+    from dataclasses import replace
+
+    from agentenv.runtime.network import SandboxNetwork
+
+    tpl = replace(base_template, vcpus=3, memory_mb=768)
+    spec = SandboxSpec(sandbox_id="specid", template=tpl, envs={"A": "b"}, envd_access_token="tok")
+    net = SandboxNetwork("specid", "ae-specid", 7, "aeh7", "aes7", "10.213.0.29", "10.213.0.30")
+    config = gvisor.oci_spec(spec, net, Path("/r"), Path("/b"))
+    assert config["linux"]["resources"] == {
+        "cpu": {"quota": 300_000, "period": 100_000}, "memory": {"limit": 768 << 20},
+    }
+    assert {"type": "network", "path": "/var/run/netns/ae-specid"} in config["linux"]["namespaces"]
+    assert "A=b" in config["process"]["env"] and "AGENTENV_ENVD_ACCESS_TOKEN=tok" in config["process"]["env"]
+    assert config["process"]["args"][:3] == ["/.agentenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.agentenv/lib"]
+    bundle_mount = next(m for m in config["mounts"] if m["destination"] == "/.agentenv")
+    assert bundle_mount["source"] == "/b" and "ro" in bundle_mount["options"]
+
+
+async def test_failed_create_cleans_up(gvisor: GvisorRuntime, tmp_path: Path) -> None:
+    """The root file system cannot be mounted (template rootfs vanished) after the network
+    was set up: a clear error naming the sandbox, and nothing left behind."""
+    broken = TemplateImage(template_id="broken", rootfs=tmp_path / "missing-rootfs")
+    sandbox_id = unique_id("bad")
+    with pytest.raises(RuntimeError_) as err:
+        instance = await gvisor.create(SandboxSpec(sandbox_id=sandbox_id, template=broken))
+        await gvisor.kill(instance)
+    assert sandbox_id in err.value.message and "root file system" in err.value.message
+    assert leftovers(gvisor, sandbox_id) == {}
+
+
+async def test_envd_that_never_answers_times_out(
+    gvisor: GvisorRuntime, base_template: TemplateImage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """envd starts but never listens where expected: timeout error and full clean-up."""
+    import agentenv.runtime.gvisor.runtime as gv
+
+    monkeypatch.setattr(gv, "envd_argv", lambda port: ["/bin/sleep", "600"])
+    monkeypatch.setattr(gv, "ENVD_START_TIMEOUT", 3.0)
+    sandbox_id = unique_id("slow")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError_, match="did not answer"):
+        await gvisor.create(SandboxSpec(sandbox_id=sandbox_id, template=base_template))
+    assert time.monotonic() - started < 30
+    assert leftovers(gvisor, sandbox_id) == {}
+
+
+async def test_cleanup_orphans(gvisor: GvisorRuntime, base_template: TemplateImage) -> None:
+    keep_id, orphan_id = unique_id("keep"), unique_id("orph")
+    keep = await gvisor.create(SandboxSpec(sandbox_id=keep_id, template=base_template))
+    try:
+        await gvisor.create(SandboxSpec(sandbox_id=orphan_id, template=base_template))
+        removed = await gvisor.cleanup_orphans({keep_id})
+        assert orphan_id in removed and keep_id not in removed
+        assert leftovers(gvisor, orphan_id) == {}
+        assert await gvisor.is_alive(keep)
+    finally:
+        await gvisor.kill(keep)
+    assert leftovers(gvisor, keep_id) == {}
+
+
+async def test_concurrent_creates_get_distinct_slots(
+    gvisor: GvisorRuntime, sandbox_factory: SandboxFactory
+) -> None:
+    instances = await asyncio.gather(*(sandbox_factory(gvisor) for _ in range(3)))
+    assert len({i.address for i in instances}) == 3
+    for instance in instances:
+        code, out = await run(instance, "echo ok")
+        assert (code, out.strip()) == (0, "ok")
