@@ -19,8 +19,8 @@ own sandbox layer directory as cwd: a restored or forked VM opens its own reflin
 Snapshots: ``Full``, or ``Diff`` (dirty pages since the parent, ``track_dirty_pages`` is always
 on) merged onto the parent's memory so that every snapshot directory has one complete memory
 file. Restore maps that file MAP_PRIVATE (``mem_backend`` ``File``), which every VM restored
-from one snapshot shares; ``AGENTENV_FIRECRACKER_UFFD=1`` hands page faults to a userfaultfd
-handler at ``uffd.sock`` instead.
+from one snapshot shares; ``AGENTENV_FIRECRACKER_UFFD=1`` instead starts a page-fault server
+(:mod:`.uffd`) per restored VM on ``sandboxes/<id>/uffd.sock`` that fills guest pages lazily.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,10 @@ class FcPaths:
     def upper(self) -> Path:
         return self.layer_dir / UPPER_NAME
 
+    @property
+    def uffd_socket(self) -> Path:
+        return self.root / "uffd.sock"
+
 
 def fc_paths(settings: Settings, sandbox_id: str) -> FcPaths:
     return FcPaths(
@@ -131,7 +136,7 @@ def boot_requests(
 
 
 def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.ApiRequest]:
-    backend = source / "uffd.sock" if uffd else source / SNAPSHOT_MEMORY
+    backend = paths.uffd_socket if uffd else source / SNAPSHOT_MEMORY
     return [
         api.logger(paths.log),
         api.metrics(paths.metrics),
@@ -254,6 +259,10 @@ class FirecrackerRuntime(Runtime):
                         )
                     )
                 else:
+                    if self.fc.uffd:
+                        memory = snapshot.path / SNAPSHOT_MEMORY
+                        state["uffd_pid"] = await self._start_uffd_handler(paths, memory)
+                        paths.marker.write_text(json.dumps(state))
                     await client.send_all(restore_requests(paths, snapshot.path, uffd=self.fc.uffd))
             finally:
                 await client.close()
@@ -285,6 +294,21 @@ class FirecrackerRuntime(Runtime):
         reaper.add_done_callback(self._reapers.discard)
         return proc.pid
 
+    async def _start_uffd_handler(self, paths: FcPaths, memory: Path) -> int:
+        """One page-fault server per restored VM (:mod:`.uffd`); it exits with its VMM."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(paths.uffd_socket), str(memory),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+        )
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
+        if line.strip() != b"ready":
+            raise RuntimeError_("the userfaultfd page server did not start")
+        reaper = asyncio.get_running_loop().create_task(proc.wait())
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
+        return proc.pid
+
     async def kill(self, instance: SandboxInstance) -> None:
         await self._destroy(instance.sandbox_id, instance.state)
 
@@ -294,6 +318,7 @@ class FirecrackerRuntime(Runtime):
             with contextlib.suppress(ValueError, OSError):
                 state = json.loads(paths.marker.read_text())
         await kill_pid(state.get("pid"), "firecracker")
+        await kill_pid(state.get("uffd_pid"), "python")
         net_state = state.get("network")
         net = SandboxNetwork.from_state(net_state) if net_state else None
         await network.teardown_network(self.settings, sandbox_id, net)
