@@ -1,0 +1,67 @@
+"""Runtime selection (agentenv.runtime.registry) on this real host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentenv.config import Settings
+from agentenv.runtime.base import RuntimeError_
+from agentenv.runtime.registry import (
+    cpu_has_hardware_virtualisation,
+    firecracker_unusable_reason,
+    kvm_device_unusable_reason,
+    runtime_names,
+    select_runtime,
+)
+
+
+def test_runtime_names() -> None:
+    assert runtime_names() == ["gvisor", "qemu", "firecracker"]
+
+
+def test_auto_falls_back_to_gvisor_with_a_reason_per_runtime(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, runtime="auto")
+    fc_reason = firecracker_unusable_reason(settings)
+    runtime, reasons = select_runtime(settings)
+    if fc_reason is None:
+        assert runtime.name == "firecracker"
+        assert set(reasons) == {"gvisor", "qemu"}
+    else:
+        assert runtime.name == "gvisor"
+        assert reasons["firecracker"] == fc_reason
+        assert "qemu" in reasons
+        print(f"auto -> gvisor; firecracker: {fc_reason}")
+
+
+def test_explicit_runtime_and_template_override_win(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, runtime="qemu")
+    runtime, reasons = select_runtime(settings)
+    assert runtime.name == "qemu" and set(reasons) == {"gvisor", "firecracker"}
+    runtime, reasons = select_runtime(settings, template_override="firecracker")
+    assert runtime.name == "firecracker"
+    assert "template override" in reasons["qemu"]
+
+
+def test_unknown_runtime_is_a_400(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError_) as info:
+        select_runtime(Settings(data_dir=tmp_path, runtime="vmware"))
+    assert info.value.code == 400 and "vmware" in info.value.message
+
+
+def test_kvm_probe_reports_missing_device_and_cpu_flags(tmp_path: Path) -> None:
+    missing = kvm_device_unusable_reason(str(tmp_path / "kvm"))
+    assert missing is not None and "cannot be opened" in missing
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 hypervisor\n")
+    assert not cpu_has_hardware_virtualisation(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu vmx sse2\n")
+    assert cpu_has_hardware_virtualisation(cpuinfo)
+
+
+def test_firecracker_pvm_mode_needs_its_own_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_FIRECRACKER_PVM", "1")
+    monkeypatch.setenv("AGENTENV_FIRECRACKER_PVM_BINARY", str(tmp_path / "no-such-firecracker-pvm"))
+    reason = firecracker_unusable_reason(Settings(data_dir=tmp_path))
+    assert reason is not None and "no-such-firecracker-pvm" in reason
