@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import RuntimeFactory, SandboxFactory, unique_id
 from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from agentenv.config import Settings
 from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, TemplateImage
 from agentenv.runtime.gvisor.runtime import (
     GvisorRuntime,
@@ -22,7 +22,6 @@ from agentenv.runtime.gvisor.runtime import (
     runsc_processes,
 )
 from agentenv.runtime.network import netns_name
-from conftest import RuntimeFactory, SandboxFactory, unique_id
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
@@ -42,14 +41,16 @@ def sdk_sandbox(instance: SandboxInstance, token: str | None = None) -> Sandbox:
     headers = {"E2b-Sandbox-Id": instance.sandbox_id, "E2b-Sandbox-Port": "49983"}
     if token:
         headers["X-Access-Token"] = token
-    config = ConnectionConfig(sandbox_url=instance.envd_url, api_key="e2b_test", extra_sandbox_headers=headers)
+    config = ConnectionConfig(
+        sandbox_url=instance.envd_url, api_key="e2b_test", extra_sandbox_headers=headers
+    )
     return Sandbox(
         sandbox_id=instance.sandbox_id, sandbox_domain=None, envd_version=Version("0.6.4"),
         envd_access_token=token, connection_config=config,
     )
 
 
-async def run(instance: SandboxInstance, cmd: str, user: str = "root", timeout: float = 60) -> tuple[int, str]:
+async def run(instance: SandboxInstance, cmd: str, user: str = "root", limit: float = 60) -> tuple[int, str]:
     """Run ``cmd`` in the sandbox through envd's Process service; (exit code, stdout+stderr)."""
     sbx = sdk_sandbox(instance)
 
@@ -57,7 +58,7 @@ async def run(instance: SandboxInstance, cmd: str, user: str = "root", timeout: 
         from e2b.sandbox.commands.command_handle import CommandExitException
 
         try:
-            result = sbx.commands.run(cmd, user=user, timeout=timeout)  # type: ignore[arg-type]
+            result = sbx.commands.run(cmd, user=user, timeout=limit)  # type: ignore[arg-type]
         except CommandExitException as exc:
             return exc.exit_code, exc.stdout + exc.stderr
         return result.exit_code, result.stdout + result.stderr
@@ -128,10 +129,14 @@ async def test_create_health_command_kill(
     await gvisor.kill(instance)  # idempotent
 
 
-async def test_python_in_sandbox_is_the_templates(gvisor: GvisorRuntime, sandbox_factory: SandboxFactory) -> None:
+async def test_python_in_sandbox_is_the_templates(
+    gvisor: GvisorRuntime, sandbox_factory: SandboxFactory
+) -> None:
     """envd's bundled interpreter must not leak into user processes (PYTHONHOME etc.)."""
     instance = await sandbox_factory(gvisor)
-    code, out = await run(instance, "python3 -c 'import sys; print(sys.prefix)'; env | grep -c PYTHON || true")
+    code, out = await run(
+        instance, "python3 -c 'import sys; print(sys.prefix)'; env | grep -c PYTHON || true"
+    )
     assert code == 0, out
     assert out.split() == ["/usr", "0"]
 
@@ -150,7 +155,8 @@ async def test_limits_in_oci_spec(gvisor: GvisorRuntime, base_template: Template
     }
     assert {"type": "network", "path": "/var/run/netns/ae-specid"} in config["linux"]["namespaces"]
     assert "A=b" in config["process"]["env"] and "AGENTENV_ENVD_ACCESS_TOKEN=tok" in config["process"]["env"]
-    assert config["process"]["args"][:3] == ["/.agentenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.agentenv/lib"]
+    loader = ["/.agentenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.agentenv/lib"]
+    assert config["process"]["args"][:3] == loader
     bundle_mount = next(m for m in config["mounts"] if m["destination"] == "/.agentenv")
     assert bundle_mount["source"] == "/b" and "ro" in bundle_mount["options"]
 
