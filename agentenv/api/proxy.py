@@ -260,6 +260,8 @@ class SandboxProxy:
             return
         length = _header(scope, b"content-length")
         if length and length.isdigit() and int(length) > limit:
+            # Read the body anyway: most HTTP/1.1 clients only look at the answer once sent.
+            await down.drain()
             await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
             return
         has_body = bool(length and length != "0") or _header(scope, b"transfer-encoding") is not None

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -53,6 +54,9 @@ REAPER_INTERVAL_SECONDS = 0.5
 METRICS_INTERVAL_SECONDS = 5.0
 METRICS_HISTORY = 720  # one hour at 5 s
 INIT_ATTEMPTS = 20
+#: Runtime log files in ``{data_dir}/sandboxes/<id>/`` collected into the sandbox's logs.
+RUNTIME_LOG_FILES = ("envd.log",)
+LOG_READ_LIMIT = 1 << 20
 
 
 class OrchestratorError(Exception):
@@ -119,6 +123,7 @@ class Orchestrator:
         self._background: set[asyncio.Task[object]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._idempotency: dict[str, str] = {}
+        self._log_locks: dict[str, asyncio.Lock] = {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
         self.pause_hook: PauseHook | None = None
         self.resume_hook: ResumeHook | None = None
@@ -364,7 +369,36 @@ class Orchestrator:
         rec = await self.store.get(sandbox_id)
         if rec is None:
             raise SandboxNotFound(sandbox_id)
+        if rec.state != "killed":
+            await self.collect_runtime_logs(rec)
         return await self.store.logs(sandbox_id, start=start, limit=limit, ascending=ascending)
+
+    async def collect_runtime_logs(self, rec: SandboxRecord) -> None:
+        """Move new lines of the sandbox's runtime log files (envd's output) into its logs.
+
+        The read offset is kept in the record's ``extra`` so a restarted server does not
+        collect the same lines twice; the files themselves go away with the sandbox."""
+        lock = self._log_locks.setdefault(rec.sandbox_id, asyncio.Lock())
+        async with lock:
+            fresh = await self.store.get(rec.sandbox_id)
+            offsets: dict[str, int] = dict((fresh.extra if fresh else rec.extra).get("log_offsets", {}))
+            directory = self.settings.data_dir / "sandboxes" / rec.sandbox_id
+            changed = False
+            for name in RUNTIME_LOG_FILES:
+                start = offsets.get(name, 0)
+                data = await asyncio.to_thread(_read_from, directory / name, start, LOG_READ_LIMIT)
+                end = data.rfind(b"\n") + 1
+                if end == 0:
+                    continue
+                lines = data[:end].decode(errors="replace").splitlines()
+                source = name.removesuffix(".log")
+                await self.store.add_logs(
+                    rec.sandbox_id, [("info", ln, {"source": source}) for ln in lines if ln.strip()]
+                )
+                offsets[name] = start + end
+                changed = True
+            if changed:
+                await self.store.set_extra(rec.sandbox_id, "log_offsets", offsets)
 
     async def metrics(self, sandbox_id: str) -> list[MetricSample]:
         """The sampled history plus a fresh sample (running sandboxes only have metrics)."""
@@ -394,6 +428,11 @@ class Orchestrator:
     async def _destroy(self, rec: SandboxRecord, *, reason: str) -> None:
         """Tear the sandbox down and mark it killed (caller holds the lock, or it is recovery)."""
         self.detach(rec.sandbox_id)
+        try:
+            await self.collect_runtime_logs(rec)  # the files go away with the sandbox
+            rec.extra = (await self.store.get(rec.sandbox_id) or rec).extra
+        except Exception:
+            log.exception("collecting the logs of %s failed", rec.sandbox_id)
         rec.state = "killing"
         await self.store.save(rec)
         instance = rec.instance or SandboxInstance(
@@ -481,3 +520,12 @@ class Orchestrator:
             return
         except Exception:
             log.exception("expiring sandbox %s failed", sandbox_id)
+
+
+def _read_from(path: Path, offset: int, limit: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read(limit)
+    except FileNotFoundError:
+        return b""

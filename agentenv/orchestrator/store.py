@@ -277,6 +277,25 @@ class SandboxStore:
             )
             await self.db.commit()
 
+    async def add_logs(self, sandbox_id: str, lines: list[tuple[str, str, dict[str, str]]]) -> None:
+        """Store several ``(level, message, fields)`` lines at once."""
+        now = dt.datetime.now(dt.UTC).timestamp()
+        async with self._write_lock:
+            await self.db.executemany(
+                "INSERT INTO sandbox_logs (sandbox_id, ts, level, message, fields) VALUES (?, ?, ?, ?, ?)",
+                [(sandbox_id, now, level, msg, json.dumps(fields)) for level, msg, fields in lines],
+            )
+            await self.db.commit()
+
+    async def set_extra(self, sandbox_id: str, key: str, value: Any) -> None:
+        """Update one key of a record's ``extra`` JSON without rewriting the record."""
+        async with self._write_lock:
+            await self.db.execute(
+                "UPDATE sandboxes SET extra = json_set(extra, ?, json(?)) WHERE sandbox_id = ?",
+                (f"$.{key}", json.dumps(value), sandbox_id),
+            )
+            await self.db.commit()
+
     async def logs(
         self, sandbox_id: str, *, start: dt.datetime | None, limit: int, ascending: bool = True
     ) -> list[LogLine]:

@@ -28,22 +28,10 @@ class TemplateInfo:
     build_id: str
 
 
-def _storage_settings(settings: Settings) -> Settings:
-    """Settings whose ``{data_dir}/templates`` is ``settings.templates_dir`` (storage derives the
-    templates directory from the data directory)."""
-    tdir = settings.templates_dir
-    if tdir == settings.data_dir / "templates":
-        return settings
-    if tdir.name != "templates":
-        raise TemplateNotFound(f"AGENTENV_TEMPLATES_PATH must end in 'templates', got {tdir}")
-    return settings.model_copy(update={"data_dir": tdir.parent})
-
-
 def load(template_id: str, settings: Settings) -> TemplateInfo:
     """The built template ``template_id`` or :class:`TemplateNotFound`."""
-    st = _storage_settings(settings)
     try:
-        image = storage.load_template(template_id, st)
+        image = storage.load_template(template_id, settings)
     except storage.TemplateError as exc:
         raise TemplateNotFound(str(exc)) from None
     return _info(image)
@@ -72,9 +60,8 @@ def _uuid_from(text: str) -> str:
 
 
 def list_all(settings: Settings) -> list[TemplateInfo]:
-    st = _storage_settings(settings)
     out = []
-    for meta in storage.list_templates(st):
+    for meta in storage.list_templates(settings):
         tid = str(meta.get("template_id", ""))
         try:
             out.append(load(tid, settings))

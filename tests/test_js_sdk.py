@@ -1,0 +1,33 @@
+"""The official JS SDK (npm ``e2b``, tests/js/package.json) against a real ``agentenv serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from e2e_fixtures import *  # noqa: F403  (the agentenv_server fixture)
+from e2e_fixtures import ServerProcess, wait_no_host_resources
+
+JS_DIR = Path(__file__).parent / "js"
+
+
+def test_js_sdk_create_run_write_read_kill(agentenv_server: ServerProcess) -> None:
+    if shutil.which("node") is None:
+        pytest.fail("node is not installed (scripts/bootstrap.sh --test installs it)")
+    if not (JS_DIR / "node_modules" / "e2b").is_dir():
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=JS_DIR, check=True)
+    proc = subprocess.run(
+        ["node", "smoke.mjs"], cwd=JS_DIR, capture_output=True, text=True, timeout=180,
+        env={**os.environ, **agentenv_server.sdk_env},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stdout"] == "hi-from-js\n" and out["stderr"] == "err\n" and out["exitCode"] == 0
+    assert out["read"] == "written by js" and out["listed"] is True
+    assert out["found"] == [out["sandboxId"]] and out["info"] == "base"
+    assert out["killed"] is True and out["runningAfterKill"] is False
+    assert wait_no_host_resources(out["sandboxId"]) == []
