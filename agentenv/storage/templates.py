@@ -42,8 +42,11 @@ class TemplateError(Exception):
 
 @dataclass(frozen=True)
 class TemplateRecipe:
-    suite: str
-    packages: tuple[str, ...]
+    #: "debootstrap" (a Debian suite plus packages) or "busybox" (static busybox only, no
+    #: python, no libc: proves envd runs from its own bundle in any root file system).
+    kind: str = "debootstrap"
+    suite: str = "bookworm"
+    packages: tuple[str, ...] = ()
     vcpus: int = 2
     memory_mb: int = 512
     disk_mb: int = 4096
@@ -51,12 +54,14 @@ class TemplateRecipe:
 
 RECIPES: dict[str, TemplateRecipe] = {
     "base": TemplateRecipe(
+        kind="debootstrap",
         suite="bookworm",
         packages=(
             "bash", "coreutils", "python3", "git", "curl", "ca-certificates", "procps",
             "iproute2", "sudo", "less", "findutils",
         ),
     ),
+    "busybox": TemplateRecipe(kind="busybox", suite="", vcpus=1, memory_mb=256, disk_mb=1024),
 }
 
 
@@ -154,6 +159,53 @@ def _debootstrap(recipe: TemplateRecipe, target: Path, mirror: str) -> None:
     ])
 
 
+def _busybox_rootfs(target: Path) -> None:
+    """A root file system of one static busybox: no python, no libc, no package manager."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise TemplateError("busybox is not installed (apt-get install busybox-static)")
+    with open(busybox, "rb") as f:
+        elf = f.read(1 << 20)
+    if b"/lib64/ld-linux" in elf or b"ld-linux-x86-64.so" in elf:
+        raise TemplateError(f"{busybox} is dynamically linked; install busybox-static")
+    for d in ("bin", "etc", "root", "tmp", "proc", "sys", "dev", f"home/{SANDBOX_USER}"):
+        (target / d).mkdir(parents=True, exist_ok=True)
+    (target / "tmp").chmod(0o1777)
+    shutil.copy2(busybox, target / "bin" / "busybox")
+    _run(["chroot", str(target), "/bin/busybox", "--install", "-s", "/bin"])
+    (target / "etc/passwd").write_text(
+        f"root:x:0:0:root:/root:/bin/sh\n"
+        f"{SANDBOX_USER}:x:{SANDBOX_UID}:{SANDBOX_UID}::/home/{SANDBOX_USER}:/bin/sh\n"
+    )
+    (target / "etc/group").write_text(f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_UID}:\n")
+    os.chown(target / "home" / SANDBOX_USER, SANDBOX_UID, SANDBOX_UID)
+    (target / "etc/hostname").write_text("sandbox\n")
+    (target / ".agentenv").mkdir()
+
+
+def _populate(recipe: TemplateRecipe, target: Path) -> None:
+    if recipe.kind == "busybox":
+        _busybox_rootfs(target)
+    elif recipe.kind == "debootstrap":
+        _debootstrap(recipe, target, host_debian_mirror())
+        _configure_rootfs(target)
+    else:
+        raise TemplateError(f"unknown template recipe kind {recipe.kind!r}")
+
+
+def _retire(tree: Path) -> None:
+    """Move a finished rootfs out of the way instead of deleting it: running sandboxes may
+    still use it as their overlay lower layer (``--force`` rebuilds)."""
+    os.rename(tree, tree.with_name(f".rootfs.retired-{time.time_ns()}"))
+
+
+def _remove_unused_retired(tdir: Path) -> None:
+    mounts = Path("/proc/mounts").read_text()
+    for retired in tdir.glob(".rootfs.retired-*"):
+        if str(retired) not in mounts:
+            shutil.rmtree(retired, ignore_errors=True)
+
+
 def _configure_rootfs(root: Path) -> None:
     """Make the tree sandbox-ready: the E2B default user, neutral host name, small caches."""
     _run(["chroot", str(root), "groupadd", "--gid", str(SANDBOX_UID), SANDBOX_USER])
@@ -197,15 +249,17 @@ def build_template(template_id: str, settings: Settings, *, force: bool = False)
         started = time.monotonic()
         (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
         partial = tdir / ".rootfs.partial"
-        for leftover in (partial, tdir / "rootfs"):
-            if leftover.exists():
-                shutil.rmtree(leftover)
+        if partial.exists():  # an interrupted build
+            shutil.rmtree(partial)
+        _remove_unused_retired(tdir)
         try:
-            _debootstrap(recipe, partial, host_debian_mirror())
-            _configure_rootfs(partial)
+            partial.mkdir()
+            _populate(recipe, partial)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
+        if (tdir / "rootfs").exists():
+            _retire(tdir / "rootfs")
         os.rename(partial, tdir / "rootfs")
         meta = {
             "template_id": template_id,
@@ -214,6 +268,7 @@ def build_template(template_id: str, settings: Settings, *, force: bool = False)
             "disk_mb": recipe.disk_mb,
             "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
             "build_seconds": round(time.monotonic() - started, 1),
+            "kind": recipe.kind,
             "suite": recipe.suite,
         }
         tmp_meta = tdir / (METADATA_FILE + ".tmp")
