@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 MARKER = "firecracker.json"
 UPPER_NAME = "upper.ext4"
+VSOCK_NAME = "vsock.sock"
 SNAPSHOT_STATE = "vmstate.bin"
 SNAPSHOT_MEMORY = "memory.bin"
 SNAPSHOT_DIFF = "memory.diff"
@@ -85,7 +86,9 @@ class FcPaths:
 
     @property
     def vsock(self) -> Path:
-        return self.root / "vsock.sock"
+        """Relative to the VMM's cwd (the layer dir), like the upper drive: a snapshot records
+        it verbatim, and every restored VMM must bind its own socket."""
+        return Path(VSOCK_NAME)
 
     @property
     def log(self) -> Path:
@@ -144,7 +147,6 @@ def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.Ap
             source / SNAPSHOT_STATE,
             backend,
             backend_type="Uffd" if uffd else "File",
-            vsock_uds=paths.vsock,
             resume=True,
         ),
     ]
@@ -248,6 +250,9 @@ class FirecrackerRuntime(Runtime):
             async def alive() -> bool:
                 return pid_alive(state["pid"], "firecracker")
 
+            # Firecracker opens, never creates, its log and metrics files.
+            for output in (paths.log, paths.metrics):
+                output.touch()
             client = api.FirecrackerClient(paths.api_socket)
             try:
                 await client.wait_ready(self.fc.boot_timeout, alive)
