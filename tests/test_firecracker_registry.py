@@ -65,3 +65,4 @@ def test_firecracker_pvm_mode_needs_its_own_binary(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("AGENTENV_FIRECRACKER_PVM_BINARY", str(tmp_path / "no-such-firecracker-pvm"))
     reason = firecracker_unusable_reason(Settings(data_dir=tmp_path))
     assert reason is not None and "no-such-firecracker-pvm" in reason
+    assert "AGENTENV_FIRECRACKER_PVM_KERNEL" in reason

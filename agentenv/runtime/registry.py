@@ -115,6 +115,8 @@ def firecracker_unusable_reason(settings: Settings) -> str | None:
     problems = []
     if shutil.which(binary) is None:
         problems.append(f"firecracker binary {binary!r} not found")
+    if fc.pvm and (fc.pvm_kernel is None or not fc.pvm_kernel.is_file()):
+        problems.append("PVM mode needs AGENTENV_FIRECRACKER_PVM_KERNEL, an existing PVM guest vmlinux")
     kvm_reason = kvm_unusable_reason(pvm=fc.pvm)
     if kvm_reason is not None:
         problems.append(kvm_reason)
