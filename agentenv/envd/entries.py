@@ -46,18 +46,28 @@ def go_mode_string(mode: int) -> str:
     return (prefix or "-") + rwx
 
 
+# Every lookup parses /etc/passwd or /etc/group again; a listing asks for the same few ids over and
+# over. Only names found are kept, so an account created later still shows up.
+_OWNER_NAMES: dict[int, str] = {}
+_GROUP_NAMES: dict[int, str] = {}
+
+
 def _owner(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+    if uid not in _OWNER_NAMES:
+        try:
+            _OWNER_NAMES[uid] = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return str(uid)
+    return _OWNER_NAMES[uid]
 
 
 def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
+    if gid not in _GROUP_NAMES:
+        try:
+            _GROUP_NAMES[gid] = grp.getgrgid(gid).gr_name
+        except KeyError:
+            return str(gid)
+    return _GROUP_NAMES[gid]
 
 
 def _file_type(mode: int) -> FileType:

@@ -201,7 +201,7 @@ class FilesystemService:
         if not stat.S_ISDIR(st.st_mode):
             raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
         entries: list[EntryInfo] = []
-        _walk(path, depth, entries)
+        await asyncio.to_thread(_walk, path, depth, entries)  # big trees must not stall the loop
         return ListDirResponse(entries=entries)
 
     async def remove(
