@@ -1,0 +1,261 @@
+"""gVisor snapshots: ``runsc checkpoint`` / ``runsc restore`` plus the sandbox's disk layer.
+
+A snapshot directory (``SnapshotRef.path``) holds::
+
+    memory/checkpoint.img   the sentry's state file (kernel, processes, page cache, netstack)
+    upper/                  copy of the sandbox's overlay upper layer at the checkpoint instant
+    meta.json               what a restore needs: the network the netstack was saved with, ...
+
+Why this shape (see docs/SNAPSHOTS.md for the numbers):
+
+* The checkpointed netstack keeps the address it had. A paused sandbox keeps its network
+  namespace, veth and slot, so a resume restores into the very same link. A restore into a
+  *new* sandbox (create-from-snapshot, fork) gets a fresh slot; right after ``runsc restore``
+  we add the new slot's address and default route inside gVisor with ``runsc exec ip`` (no
+  network needed for that: runsc exec talks to the sandbox over its control socket) and drop the
+  old address, so every sandbox stays addressed by its own slot.
+* ``runsc checkpoint`` always stops the sandbox on this runsc (``--leave-running`` is a
+  checkpoint followed by an internal restore that fails the root-netns check, see
+  :meth:`GvisorRuntime.hide_proc_sys_net`). For ``stop=False`` we do the same explicitly:
+  checkpoint, copy the disk layer while nothing runs (so memory and disk agree), restore the
+  parent in place.
+* The upper layer is copied with ``cp --reflink=auto``: block sharing on XFS/btrfs, a plain copy
+  on ext4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentenv.config import ENVD_PORT
+from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, SnapshotRef
+from agentenv.runtime.network import SandboxNetwork
+
+if TYPE_CHECKING:
+    from agentenv.runtime.gvisor.runtime import GvisorRuntime
+
+log = logging.getLogger(__name__)
+
+MEMORY_DIR = "memory"
+UPPER_DIR = "upper"
+META_FILE = "meta.json"
+RESTORE_TIMEOUT = 120.0
+CHECKPOINT_ATTEMPTS = 5
+
+
+def _ms(start: float) -> float:
+    return round((time.monotonic() - start) * 1000, 1)
+
+
+async def _run(*cmd: str, limit: float = 120.0) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), limit)
+    if proc.returncode != 0:
+        raise RuntimeError_(f"{' '.join(cmd[:3])} failed: {out.decode(errors='replace')[-1500:]}")
+
+
+async def copy_tree(src: Path, dst: Path) -> None:
+    """``dst`` becomes a copy of ``src`` (reflinked blocks where the file system can)."""
+    await _run("cp", "-a", "--reflink=auto", "--", str(src), str(dst))
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    meta: dict[str, Any] = json.loads((path / META_FILE).read_text())
+    return meta
+
+
+async def drop_host_connections(sandbox_ip: str) -> None:
+    """Abort every host TCP connection to the sandbox (``ss -K``: the kernel sends a RST).
+
+    runsc 2022-12 cannot save a connected TCP endpoint on an fdbased NIC ("save rejected due to
+    unsupported networking state"); the host's keep-alive connections to envd (proxy, SDK,
+    orchestrator) would block every checkpoint. Clients reconnect on their next request."""
+    proc = await asyncio.create_subprocess_exec(
+        "ss", "-K", "-t", "dst", sandbox_ip, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    await proc.wait()
+
+
+async def checkpoint_container(runtime: GvisorRuntime, instance: SandboxInstance, image: Path) -> None:
+    """``runsc checkpoint``: writes the state file and stops the sandbox."""
+    from agentenv.runtime.gvisor.runtime import container_id
+
+    cid = container_id(instance.sandbox_id)
+    image.mkdir(parents=True, exist_ok=True)
+    out = ""
+    for attempt in range(CHECKPOINT_ATTEMPTS):
+        await drop_host_connections(instance.address)
+        code, out = await runtime.run_runsc("checkpoint", "--image-path", str(image), cid, check=False, limit=120)
+        if code == 0:
+            break
+        if "save rejected" not in out:
+            break
+        # The RSTs had not reached the netstack yet, or a new connection raced in: try again.
+        await asyncio.sleep(0.02 * (attempt + 1))
+    else:
+        code = 1
+    if code != 0:
+        reason = out.split("goroutine ")[0]
+        tail = reason.rsplit("}: ", 1)[-1] if "}: " in reason else reason
+        raise RuntimeError_(f"runsc checkpoint of sandbox {instance.sandbox_id} failed: {tail[:1500]}")
+    # The stopped container still has a state entry; drop it (and its gofer) so the id can restore.
+    await runtime.run_runsc("delete", "--force", cid, check=False, limit=60)
+    await runtime._reap_processes(cid)
+
+
+async def readdress_link(net: SandboxNetwork) -> None:
+    """Put the sandbox address and default route back on the netns side of the veth.
+
+    runsc moves the link's addresses into its netstack and removes them from the host link; a
+    restore builds a *new* netstack from what the link carries then (restored sockets re-attach
+    to it), so the link must carry the address again -- the one of the slot the restored sandbox
+    now has, which is what lets a fork child live at its own address."""
+    await _run("ip", "-n", net.netns, "addr", "replace", f"{net.sandbox_ip}/{net.prefixlen}",
+               "dev", net.sandbox_if)
+    await _run("ip", "-n", net.netns, "route", "replace", "default", "via", net.host_ip,
+               "dev", net.sandbox_if)
+
+
+async def restore_container(runtime: GvisorRuntime, sandbox_id: str, image: Path, net: SandboxNetwork) -> None:
+    """``runsc restore --detach`` of the bundle already written for ``sandbox_id``."""
+    from agentenv.runtime.gvisor.runtime import container_id
+
+    await readdress_link(net)
+    paths = runtime.paths(sandbox_id)
+    with paths.envd_log.open("ab") as out:
+        cmd = runtime.runsc_cmd(
+            *runtime.runsc_run_flags(), "restore", "--detach", "--bundle", str(paths.bundle),
+            "--image-path", str(image), container_id(sandbox_id), log_file=paths.runsc_log,
+        )
+        proc = await asyncio.create_subprocess_exec(
+            *runtime.hide_proc_sys_net(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+        )
+        code = await asyncio.wait_for(proc.wait(), RESTORE_TIMEOUT)
+    if code != 0:
+        raise RuntimeError_(
+            f"runsc restore of sandbox {sandbox_id} failed (exit {code}): {runtime._tail(paths.runsc_log)}"
+        )
+
+
+async def readdress(runtime: GvisorRuntime, sandbox_id: str, old: SandboxNetwork, new: SandboxNetwork) -> None:
+    """Move the restored netstack from ``old``'s address to ``new``'s (runsc exec of ``ip``).
+
+    gVisor names the NIC after the host link it was created from (``old.sandbox_if``)."""
+    from agentenv.runtime.gvisor.runtime import container_id
+
+    if (old.sandbox_ip, old.host_ip) == (new.sandbox_ip, new.host_ip):
+        return
+    script = (
+        f"ip addr add {new.sandbox_ip}/{new.prefixlen} dev {old.sandbox_if} && "
+        f"(ip route replace default via {new.host_ip} dev {old.sandbox_if} || "
+        f" (ip route del default; ip route add default via {new.host_ip} dev {old.sandbox_if})) && "
+        f"ip addr del {old.sandbox_ip}/{old.prefixlen} dev {old.sandbox_if}"
+    )
+    await runtime.run_runsc("exec", container_id(sandbox_id), "/bin/sh", "-c", script, limit=30)
+
+
+def _write_meta(dest: Path, instance: SandboxInstance) -> None:
+    meta = {
+        "format": 1,
+        "runtime": "gvisor",
+        "sandbox_id": instance.sandbox_id,
+        "network": instance.state.get("network"),
+        "template_id": instance.state.get("template_id"),
+        "template_rootfs": instance.state.get("template_rootfs"),
+        "platform": instance.state.get("platform"),
+        "created_at": time.time(),
+    }
+    tmp = dest / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, dest / META_FILE)
+
+
+async def snapshot(runtime: GvisorRuntime, instance: SandboxInstance, dest: SnapshotRef, stop: bool) -> None:
+    """Checkpoint ``instance`` into ``dest.path`` (memory image + disk layer + meta).
+
+    ``stop``: leave the sandbox stopped, its network (slot, netns) and scratch directory kept
+    for a later resume; otherwise restore it in place so it keeps running."""
+    sid = instance.sandbox_id
+    dest.path.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t = time.monotonic()
+    await checkpoint_container(runtime, instance, dest.path / MEMORY_DIR)
+    timings["checkpoint_ms"] = _ms(t)
+    t = time.monotonic()
+    await copy_tree(runtime.paths(sid).upper, dest.path / UPPER_DIR)
+    timings["disk_copy_ms"] = _ms(t)
+    _write_meta(dest.path, instance)
+    if stop:
+        # The stopped sandbox keeps its mount and network: resume restores into both.
+        await asyncio.to_thread(runtime.unmount_rootfs, sid)
+    else:
+        t = time.monotonic()
+        try:
+            await restore_container(runtime, sid, dest.path / MEMORY_DIR, SandboxNetwork.from_state(instance.state["network"]))
+            await runtime.wait_for_envd(sid, instance.envd_url, limit=30)
+        except BaseException:
+            log.exception("sandbox %s did not come back after its snapshot", sid)
+            raise
+        timings["parent_restore_ms"] = _ms(t)
+    log.info("gvisor snapshot of %s (stop=%s): %s", sid, stop, timings)
+
+
+async def restore(runtime: GvisorRuntime, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
+    """A running sandbox ``spec.sandbox_id`` with the memory, processes and disk of ``source``.
+
+    When ``spec.sandbox_id`` is the snapshotted sandbox itself and its scratch directory and
+    network survived (a resume), it restores into them; otherwise it gets new ones."""
+    from agentenv.storage.envd_bundle import build_envd_bundle
+
+    sid = spec.sandbox_id
+    meta = read_meta(source.path)
+    old_net = SandboxNetwork.from_state(meta["network"])
+    paths = runtime.paths(sid)
+    resume = meta.get("sandbox_id") == sid and paths.root.is_dir()
+    envd_bundle = await asyncio.to_thread(build_envd_bundle, runtime.settings)
+    timings: dict[str, float] = {}
+    net: SandboxNetwork | None = None
+    try:
+        t = time.monotonic()
+        if resume and Path(old_net.netns_path).exists():
+            net = old_net
+        else:
+            net = await runtime.setup_network(spec)
+        timings["network_ms"] = _ms(t)
+        t = time.monotonic()
+        if resume and paths.upper.is_dir():
+            # The layer was unmounted while paused but is still the sandbox's own, unchanged.
+            rootfs = await asyncio.to_thread(runtime.mount_rootfs, sid, spec.template)
+        else:
+            if resume:
+                shutil.rmtree(paths.root, ignore_errors=True)
+            paths.root.mkdir(parents=True, exist_ok=True)
+            staged = paths.root / "upper.restoring"
+            await copy_tree(source.path / UPPER_DIR, staged)
+            rootfs = await asyncio.to_thread(runtime.mount_rootfs, sid, spec.template, staged)
+        timings["disk_ms"] = _ms(t)
+        runtime.write_oci_bundle(sid, runtime.oci_spec(spec, net, rootfs, envd_bundle))
+        instance = runtime.instance_for(spec, net, envd_bundle)
+        t = time.monotonic()
+        await restore_container(runtime, sid, source.path / MEMORY_DIR, net)
+        timings["runsc_restore_ms"] = _ms(t)
+        t = time.monotonic()
+        await runtime.wait_for_envd(sid, f"http://{net.sandbox_ip}:{ENVD_PORT}", limit=30)
+        timings["envd_ms"] = _ms(t)
+    except BaseException:
+        await runtime._destroy(sid, net)
+        raise
+    log.info("gvisor restore of %s from %s: %s", sid, source.snapshot_id, timings)
+    instance.state["restore_timings"] = timings
+    return instance
