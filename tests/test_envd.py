@@ -47,7 +47,7 @@ from e2b.exceptions import (
     SandboxException,
 )
 from e2b.sandbox.commands.command_handle import CommandExitException, PtySize
-from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEventType
 from packaging.version import Version
 from protobuf import Oneof
 
@@ -434,19 +434,29 @@ def test_failed_upload_leaves_no_partial_file(envd: Envd, workdir: str) -> None:
 
 def test_watch_dir_events(sbx: Sandbox, workdir: str) -> None:
     handle = sbx.files.watch_dir(workdir, recursive=True, include_entry=True)
+
+    def events_until(name: str, kind: FilesystemEventType) -> list[FilesystemEvent]:
+        got: list[FilesystemEvent] = []
+
+        def arrived() -> bool:
+            got.extend(handle.get_new_events())
+            return any((e.name, e.type) == (name, kind) for e in got)
+
+        _wait_for(arrived)
+        time.sleep(0.1)  # anything that would wrongly follow
+        return got + handle.get_new_events()
+
     try:
         sbx.files.write(f"{workdir}/w.txt", "1")
-        time.sleep(0.2)
-        first = handle.get_new_events()
+        first = events_until("w.txt", FilesystemEventType.WRITE)
         sbx.files.write(f"{workdir}/w.txt", "overwritten")
-        time.sleep(0.2)
-        overwrite = handle.get_new_events()
+        overwrite = events_until("w.txt", FilesystemEventType.WRITE)
         sbx.files.make_dir(f"{workdir}/sub")
-        time.sleep(0.2)
+        events = events_until("sub", FilesystemEventType.CREATE)  # now watched too
         sbx.files.write(f"{workdir}/sub/deep.txt", "2")
+        events += events_until("sub/deep.txt", FilesystemEventType.WRITE)
         sbx.files.remove(f"{workdir}/w.txt")
-        time.sleep(0.3)
-        events = handle.get_new_events()
+        events += events_until("w.txt", FilesystemEventType.REMOVE)
     finally:
         handle.stop()
     # An upload reads like an in-place write; its temp file never shows.
@@ -945,3 +955,30 @@ def test_aborted_upload_leaves_no_partial_file(envd: Envd, workdir: str) -> None
     _wait_for(lambda: os.listdir(workdir) == [], timeout=5)
     time.sleep(0.3)
     assert os.listdir(workdir) == []
+
+
+def test_init_timestamp_never_moves_the_clock_unless_enabled(envd: Envd) -> None:
+    # Default envd (as on a host): a timestamp a year off is accepted and the clock stays put.
+    before = time.time()
+    resp = httpx.post(f"{envd.url}/init", json={"timestamp": "2025-01-01T00:00:00Z"})
+    assert resp.status_code == 204
+    assert abs(time.time() - before) < 5
+
+
+def test_sync_clock_steps_only_on_skew_and_tolerates_refusal() -> None:
+    from agentenv.envd.app import sync_clock
+    from agentenv.envd.settings import parse_settings
+
+    calls: list[tuple[int, float]] = []
+    assert sync_clock(time.time(), setter=lambda clock, t: calls.append((clock, t))) is False
+    assert calls == []  # within tolerance: untouched
+    target = time.time() - 3600
+    assert sync_clock(target, setter=lambda clock, t: calls.append((clock, t))) is True
+    assert calls == [(time.CLOCK_REALTIME, target)]
+
+    def refuse(clock: int, t: float) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    assert sync_clock(target, setter=refuse) is False
+    assert parse_settings([]).sync_clock is False
+    assert parse_settings(["--sync-clock"]).sync_clock is True

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 
 from starlette.applications import Starlette
@@ -28,6 +29,8 @@ from agentenv.envd.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_ap
 from agentenv.envd.settings import EnvdSettings
 from agentenv.envd.signature import signature_grants
 from agentenv.envd.state import EnvdState
+
+logger = logging.getLogger("agentenv.envd")
 
 _OPEN_PATHS = frozenset({"/health"})
 
@@ -93,10 +96,11 @@ async def init(request: Request) -> Response:
             return error_response(400, f"{key} must be a string")
     if body.get("timestamp"):
         try:
-            # gVisor and microVM guests take their clock from the host; the value is only checked.
-            datetime.fromisoformat(body["timestamp"].replace("Z", "+00:00"))
+            host_time = datetime.fromisoformat(body["timestamp"].replace("Z", "+00:00"))
         except ValueError:
             return error_response(400, f"timestamp '{body['timestamp']}' is not RFC 3339")
+        if request.app.state.sync_clock:
+            sync_clock(host_time.timestamp())
     if env_vars:
         state.env_vars.update(env_vars)
     if body.get("accessToken"):
@@ -106,6 +110,23 @@ async def init(request: Request) -> Response:
     if body.get("defaultWorkdir"):
         state.default_workdir = body["defaultWorkdir"]
     return Response(status_code=204)
+
+
+#: Skew below which the clock is left alone (the host's timestamp is already a little old).
+CLOCK_SKEW_TOLERANCE_S = 1.0
+
+
+def sync_clock(host_time: float, setter: Callable[[int, float], None] = time.clock_settime) -> bool:
+    """Step CLOCK_REALTIME to the host's time after a resume; True when it was set. Not being
+    allowed (no CAP_SYS_TIME, gVisor) is expected and ignored, as E2B's envd does."""
+    if abs(host_time - time.time()) < CLOCK_SKEW_TOLERANCE_S:
+        return False
+    try:
+        setter(time.CLOCK_REALTIME, host_time)
+    except OSError as exc:
+        logger.info("not setting the clock from /init: %s", exc)
+        return False
+    return True
 
 
 async def envs(request: Request) -> Response:
@@ -163,4 +184,5 @@ def create_app(settings: EnvdSettings) -> Starlette:
     app.state.envd = state
     app.state.cpu = metrics.CpuSampler()
     app.state.started = time.time()
+    app.state.sync_clock = settings.sync_clock
     return app
