@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -30,6 +31,7 @@ from agentenv.storage.envd_bundle import (
 from agentenv.storage.templates import build_template
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runsc, chroot)")
+CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
 
 
 def test_bundle_layout_and_pruning(envd_bundle: Path) -> None:
@@ -87,11 +89,11 @@ def test_bundle_runs_in_busybox_chroot(envd_bundle: Path, tmp_path: Path) -> Non
         code = "import sys, agentenv.envd.server, ssl, json; print(sys.prefix, sys.version_info[:2])"
         argv = [*envd_argv()[:4], "-I", "-c", code]
         out = subprocess.run(
-            ["chroot", str(rootfs), *argv], capture_output=True, text=True, env={}, timeout=60
+            [CHROOT, str(rootfs), *argv], capture_output=True, text=True, env={}, timeout=60
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[0] == "/.agentenv"
-        launcher = subprocess.run(["chroot", str(rootfs), "/.agentenv/bin/envd", "--help"],
+        launcher = subprocess.run([CHROOT, str(rootfs), "/.agentenv/bin/envd", "--help"],
                                   capture_output=True, text=True, env={}, timeout=60)
         assert launcher.returncode == 0 and "--port" in launcher.stdout, launcher.stderr
     finally:

@@ -199,7 +199,8 @@ async def test_cannot_read_host_files(offline: SandboxInstance, gvisor: GvisorRu
 
 async def test_cannot_see_other_sandbox(offline: SandboxInstance, online: SandboxInstance) -> None:
     secret = uuid.uuid4().hex
-    code, out = await run(online, f"echo {secret} > /home/user/{secret}; (sleep 300 {secret} &); echo ok")
+    background = f"(sleep 300 {secret} >/dev/null 2>&1 &)"  # must not hold the command's stdout
+    code, out = await run(online, f"echo {secret} > /home/user/{secret}; {background}; echo ok")
     assert code == 0, out
     code, out = await run(offline, "ls /home/user; cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '")
     assert secret not in out, out
@@ -233,7 +234,7 @@ async def test_kill_leaves_nothing(gvisor: GvisorRuntime, base_template: Templat
         spec = SandboxSpec(sandbox_id=unique_id("kl"), template=base_template, allow_internet_access=internet)
         instance = await gvisor.create(spec)
         try:
-            code, out = await run(instance, "echo x > /home/user/f; (sleep 1000 &); echo ok")
+            code, out = await run(instance, "echo x > /home/user/f; (sleep 1000 >/dev/null 2>&1 &); echo ok")
             assert code == 0, out
         finally:
             await gvisor.kill(instance)
