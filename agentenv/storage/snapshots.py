@@ -150,7 +150,7 @@ class SnapshotStore:
             row = _row(r) if r else None
         return row
 
-    async def list(self, *, kind: str | None = None, source: str | None = None) -> list[SnapshotRow]:
+    async def rows(self, *, kind: str | None = None, source: str | None = None) -> list[SnapshotRow]:
         sql, params = "SELECT * FROM snapshots WHERE 1=1", []
         if kind:
             sql += " AND kind = ?"
@@ -173,7 +173,7 @@ class SnapshotStore:
         directory vanished are dropped too. Returns what was removed."""
         removed: list[str] = []
         root = snapshots_dir(self.data_dir)
-        known = {r.snapshot_id for r in await self.list()}
+        known = {r.snapshot_id for r in await self.rows()}
         for entry in root.iterdir():
             if entry.name.startswith(TMP_PREFIX) or entry.name not in known:
                 shutil.rmtree(entry, ignore_errors=True)

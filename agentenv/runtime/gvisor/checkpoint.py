@@ -8,12 +8,13 @@ A snapshot directory (``SnapshotRef.path``) holds::
 
 Why this shape (see docs/SNAPSHOTS.md for the numbers):
 
-* The checkpointed netstack keeps the address it had. A paused sandbox keeps its network
-  namespace, veth and slot, so a resume restores into the very same link. A restore into a
-  *new* sandbox (create-from-snapshot, fork) gets a fresh slot; right after ``runsc restore``
-  we add the new slot's address and default route inside gVisor with ``runsc exec ip`` (no
-  network needed for that: runsc exec talks to the sandbox over its control socket) and drop the
-  old address, so every sandbox stays addressed by its own slot.
+* runsc moves the veth's address into its netstack and removes it from the link. A restore
+  builds a *new* netstack from what the link carries at that moment and the restored sockets
+  (envd's listener) re-attach to it, so we put an address back on the link before restoring:
+  the same one for a resume (a paused sandbox keeps its netns, veth and slot), the new slot's
+  for a create-from-snapshot or fork child. Every sandbox stays addressed by its own slot.
+* Before a checkpoint, the host's TCP connections to the sandbox are aborted (``ss -K``): this
+  runsc rejects saving a connected TCP endpoint on a non-loopback NIC.
 * ``runsc checkpoint`` always stops the sandbox on this runsc (``--leave-running`` is a
   checkpoint followed by an internal restore that fails the root-netns check, see
   :meth:`GvisorRuntime.hide_proc_sys_net`). For ``stop=False`` we do the same explicitly:
@@ -92,11 +93,13 @@ async def checkpoint_container(runtime: GvisorRuntime, instance: SandboxInstance
     from agentenv.runtime.gvisor.runtime import container_id
 
     cid = container_id(instance.sandbox_id)
-    image.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(image.mkdir, parents=True, exist_ok=True)
     out = ""
     for attempt in range(CHECKPOINT_ATTEMPTS):
         await drop_host_connections(instance.address)
-        code, out = await runtime.run_runsc("checkpoint", "--image-path", str(image), cid, check=False, limit=120)
+        code, out = await runtime.run_runsc(
+            "checkpoint", "--image-path", str(image), cid, check=False, limit=120
+        )
         if code == 0:
             break
         if "save rejected" not in out:
@@ -127,7 +130,9 @@ async def readdress_link(net: SandboxNetwork) -> None:
                "dev", net.sandbox_if)
 
 
-async def restore_container(runtime: GvisorRuntime, sandbox_id: str, image: Path, net: SandboxNetwork) -> None:
+async def restore_container(
+    runtime: GvisorRuntime, sandbox_id: str, image: Path, net: SandboxNetwork
+) -> None:
     """``runsc restore --detach`` of the bundle already written for ``sandbox_id``."""
     from agentenv.runtime.gvisor.runtime import container_id
 
@@ -146,23 +151,6 @@ async def restore_container(runtime: GvisorRuntime, sandbox_id: str, image: Path
         raise RuntimeError_(
             f"runsc restore of sandbox {sandbox_id} failed (exit {code}): {runtime._tail(paths.runsc_log)}"
         )
-
-
-async def readdress(runtime: GvisorRuntime, sandbox_id: str, old: SandboxNetwork, new: SandboxNetwork) -> None:
-    """Move the restored netstack from ``old``'s address to ``new``'s (runsc exec of ``ip``).
-
-    gVisor names the NIC after the host link it was created from (``old.sandbox_if``)."""
-    from agentenv.runtime.gvisor.runtime import container_id
-
-    if (old.sandbox_ip, old.host_ip) == (new.sandbox_ip, new.host_ip):
-        return
-    script = (
-        f"ip addr add {new.sandbox_ip}/{new.prefixlen} dev {old.sandbox_if} && "
-        f"(ip route replace default via {new.host_ip} dev {old.sandbox_if} || "
-        f" (ip route del default; ip route add default via {new.host_ip} dev {old.sandbox_if})) && "
-        f"ip addr del {old.sandbox_ip}/{old.prefixlen} dev {old.sandbox_if}"
-    )
-    await runtime.run_runsc("exec", container_id(sandbox_id), "/bin/sh", "-c", script, limit=30)
 
 
 def _write_meta(dest: Path, instance: SandboxInstance) -> None:
@@ -202,7 +190,8 @@ async def snapshot(runtime: GvisorRuntime, instance: SandboxInstance, dest: Snap
     else:
         t = time.monotonic()
         try:
-            await restore_container(runtime, sid, dest.path / MEMORY_DIR, SandboxNetwork.from_state(instance.state["network"]))
+            net = SandboxNetwork.from_state(instance.state["network"])
+            await restore_container(runtime, sid, dest.path / MEMORY_DIR, net)
             await runtime.wait_for_envd(sid, instance.envd_url, limit=30)
         except BaseException:
             log.exception("sandbox %s did not come back after its snapshot", sid)
@@ -228,7 +217,7 @@ async def restore(runtime: GvisorRuntime, spec: SandboxSpec, source: SnapshotRef
     net: SandboxNetwork | None = None
     try:
         t = time.monotonic()
-        if resume and Path(old_net.netns_path).exists():
+        if resume and await asyncio.to_thread(os.path.exists, old_net.netns_path):
             net = old_net
         else:
             net = await runtime.setup_network(spec)
