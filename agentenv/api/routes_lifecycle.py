@@ -77,7 +77,10 @@ async def _create(request: Request, body: NewSandbox, service: SnapshotService, 
             request, _orch(request), body, secure=secure, idempotency_key=idempotency_key
         )
     rec = await service.create_from_snapshot(
-        row, timeout_seconds=_timeout(body.timeout), metadata=body.metadata, envs=body.env_vars,
+        row,
+        timeout_seconds=_timeout(body.timeout if body.timeout is not None
+                                 else _orch(request).settings.default_timeout_seconds),
+        metadata=body.metadata, envs=body.env_vars,
         secure=secure, allow_internet_access=body.allow_internet_access, auto_pause=body.auto_pause,
     )
     return JSONResponse(routes_sandboxes.sandbox_body(rec, routes_sandboxes.public_domain(request)),

@@ -125,8 +125,9 @@ def metric_body(sample: MetricSample) -> dict[str, object]:
 # -- create ------------------------------------------------------------------------------------
 
 
-def _create_request(body: NewSandbox, *, secure: bool) -> CreateRequest:
-    if body.timeout > MAX_TIMEOUT_SECONDS:
+def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> CreateRequest:
+    timeout = body.timeout if body.timeout is not None else default_timeout
+    if timeout > MAX_TIMEOUT_SECONDS:
         raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
     if body.volume_mounts:
         raise ApiError(400, "volume mounts are not supported on this node")
@@ -138,7 +139,7 @@ def _create_request(body: NewSandbox, *, secure: bool) -> CreateRequest:
         raise ApiError(400, "network.allowOut is not supported on this node")
     return CreateRequest(
         template_id=body.template_id,
-        timeout_seconds=body.timeout,
+        timeout_seconds=timeout,
         metadata=body.metadata or {},
         envs=body.env_vars or {},
         secure=secure,
@@ -153,7 +154,8 @@ def _create_request(body: NewSandbox, *, secure: bool) -> CreateRequest:
 async def _create(
     request: Request, orch: Orchestrator, body: NewSandbox, *, secure: bool, idempotency_key: str | None
 ) -> JSONResponse:
-    rec = await orch.create(_create_request(body, secure=secure), idempotency_key=idempotency_key)
+    req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
+    rec = await orch.create(req, idempotency_key=idempotency_key)
     return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
 
 

@@ -46,7 +46,8 @@ class VolumeMount(_Request):
 
 class NewSandbox(_Request):
     template_id: str = Field(alias="templateID", min_length=1, max_length=128)
-    timeout: int = Field(15, ge=0, le=INT32_MAX)
+    #: Omitted: ``settings.default_timeout_seconds`` (the SDKs document 300 s and send nothing).
+    timeout: int | None = Field(None, ge=0, le=INT32_MAX)
     auto_pause: bool = Field(False, alias="autoPause")
     auto_pause_memory: bool = Field(True, alias="autoPauseMemory")
     auto_resume: SandboxAutoResumeConfig | None = Field(None, alias="autoResume")
