@@ -70,7 +70,9 @@ def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
     """Every host resource of the sandbox that still exists (empty when it is fully gone)."""
     mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if sandbox_id in line]
     found: dict[str, object] = {
-        "processes": runsc_processes(container_id(sandbox_id), runtime.runsc_root),
+        "processes": runsc_processes(
+            container_id(sandbox_id), runtime.runsc_root, runtime.paths(sandbox_id).root
+        ),
         "mounts": mounts,
         "netns": Path(f"/var/run/netns/{netns_name(sandbox_id)}").exists(),
         "cgroups": cgroup_exists(sandbox_id),
