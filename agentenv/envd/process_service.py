@@ -12,7 +12,7 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
 
-from agentenv.envd.processes import ManagedProcess, ProcessTable
+from agentenv.envd.processes import ManagedProcess, ProcessTable, StreamOverflow
 from agentenv.envd.proto.process_pb import (
     CloseStdinRequest,
     CloseStdinResponse,
@@ -99,8 +99,17 @@ class ProcessService:
         queue = managed.subscribe()  # before the first await, so no output is missed
         try:
             yield _start_event(managed.pid)
-            async for event in with_keepalives(queue, keepalive_interval(ctx), _KEEPALIVE):
-                yield event
+            events: AsyncIterator[ProcessEvent | StreamOverflow] = with_keepalives(
+                queue, keepalive_interval(ctx), _KEEPALIVE
+            )
+            async for event in events:
+                if isinstance(event, ProcessEvent):
+                    yield event
+                else:  # dropped: it took no output for too long
+                    raise ConnectError(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"stream fell behind process {managed.pid}'s output and was dropped; connect again",
+                    )
         finally:
             # A client leaving only detaches it; the process keeps running.
             managed.unsubscribe(queue)

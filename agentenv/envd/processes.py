@@ -61,6 +61,20 @@ def describe_exit(returncode: int) -> ProcessEvent.EndEvent:
 
 
 OutputStream = Literal["stdout", "stderr", "pty"]
+#: Events buffered per attached stream (at most 64 KiB each). When a client's queue is full the
+#: output readers wait, so a slow client slows the process down through its pipe, as a terminal
+#: would, instead of growing envd's memory.
+_QUEUE_EVENTS = 64
+#: A client that takes no event for this long is dropped rather than holding the process up.
+_STALLED_CLIENT_SECONDS = 30.0
+
+
+class StreamOverflow:
+    """Queue item telling a stream it was dropped for not keeping up."""
+
+
+OVERFLOW = StreamOverflow()
+StreamItem = ProcessEvent | StreamOverflow | None
 
 
 def _data_event(stream: OutputStream, chunk: bytes) -> ProcessEvent:
@@ -78,16 +92,18 @@ class ManagedProcess:
     tag: str | None
     proc: asyncio.subprocess.Process
     pty_fd: int | None
-    subscribers: set[asyncio.Queue[ProcessEvent | None]] = field(default_factory=set)
+    subscribers: set[asyncio.Queue[StreamItem]] = field(default_factory=set)
     end: ProcessEvent | None = None
     _last_output: float = 0.0
+    #: output readers currently waiting for a slow client (see _drain)
+    _publishing: int = 0
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def subscribe(self) -> asyncio.Queue[ProcessEvent | None]:
-        queue: asyncio.Queue[ProcessEvent | None] = asyncio.Queue()
+    def subscribe(self) -> asyncio.Queue[StreamItem]:
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
         if self.end is not None:  # exited between lookup and attach: hand over the end at once
             queue.put_nowait(self.end)
             queue.put_nowait(None)
@@ -95,16 +111,31 @@ class ManagedProcess:
             self.subscribers.add(queue)
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[ProcessEvent | None]) -> None:
+    def unsubscribe(self, queue: asyncio.Queue[StreamItem]) -> None:
         self.subscribers.discard(queue)
+        _empty(queue)  # releases a reader waiting for room in it
 
-    def publish(self, event: ProcessEvent) -> None:
-        for queue in self.subscribers:
-            queue.put_nowait(event)
+    async def publish(self, item: ProcessEvent | None) -> None:
+        for queue in list(self.subscribers):
+            if queue not in self.subscribers:
+                continue  # left while we waited for another client
+            if not queue.full():
+                queue.put_nowait(item)
+                continue
+            try:
+                await asyncio.wait_for(queue.put(item), timeout=_STALLED_CLIENT_SECONDS)
+            except TimeoutError:
+                self.subscribers.discard(queue)
+                _empty(queue)
+                queue.put_nowait(OVERFLOW)
 
-    def output(self, stream: OutputStream, chunk: bytes) -> None:
-        self._last_output = time.monotonic()
-        self.publish(_data_event(stream, chunk))
+    async def output(self, stream: OutputStream, chunk: bytes) -> None:
+        self._publishing += 1
+        try:
+            await self.publish(_data_event(stream, chunk))
+        finally:
+            self._publishing -= 1
+            self._last_output = time.monotonic()
 
     # --- input ---------------------------------------------------------------------------------
     async def write_stdin(self, data: bytes) -> None:
@@ -244,10 +275,9 @@ class ProcessTable:
             if managed.proc.stdin is not None:
                 managed.proc.stdin.close()
         ended: Oneof[Literal["end"], ProcessEvent.EndEvent] = Oneof("end", describe_exit(returncode))
-        managed.end = ProcessEvent(event=ended)
-        managed.publish(managed.end)
-        for queue in managed.subscribers:
-            queue.put_nowait(None)
+        managed.end = ProcessEvent(event=ended)  # from here on, new subscribers get it directly
+        await managed.publish(managed.end)
+        await managed.publish(None)
         managed.subscribers.clear()
         self._by_pid.pop(managed.pid, None)
 
@@ -328,9 +358,14 @@ def _start_readers(managed: ManagedProcess) -> list[asyncio.Task[None]]:
     return readers
 
 
+def _empty(queue: asyncio.Queue[StreamItem]) -> None:
+    while not queue.empty():
+        queue.get_nowait()
+
+
 async def _read_pipe(managed: ManagedProcess, name: OutputStream, stream: asyncio.StreamReader) -> None:
     while chunk := await stream.read(_READ_CHUNK):
-        managed.output(name, chunk)
+        await managed.output(name, chunk)
 
 
 async def _read_pty(managed: ManagedProcess, fd: int) -> None:
@@ -351,15 +386,20 @@ async def _read_pty(managed: ManagedProcess, fd: int) -> None:
                 raise
             if not chunk:
                 return
-            managed.output("pty", chunk)
+            await managed.output("pty", chunk)
     finally:
         loop.remove_reader(fd)
 
 
 async def _drain(managed: ManagedProcess, readers: list[asyncio.Task[None]]) -> None:
-    deadline = time.monotonic() + _DRAIN_MAX
+    """Read what the exited process left in its pipes/PTY until EOF, or until the output pauses
+    (a grandchild holds the pipe open). Time spent waiting for slow clients doesn't count."""
+    quiet_budget = _DRAIN_MAX
     pending = {r for r in readers if not r.done()}
-    while pending and time.monotonic() < deadline:
+    while pending and quiet_budget > 0:
         _, pending = await asyncio.wait(pending, timeout=_DRAIN_IDLE)
+        if managed._publishing:
+            continue
         if time.monotonic() - managed._last_output >= _DRAIN_IDLE:
             break
+        quiet_budget -= _DRAIN_IDLE

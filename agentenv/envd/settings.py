@@ -35,13 +35,17 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
     parser.add_argument("--access-token", default=env.get("AGENTENV_ENVD_ACCESS_TOKEN") or None)
     parser.add_argument("--log-level", default=env.get("AGENTENV_ENVD_LOG_LEVEL", "warning"))
     parser.add_argument(
-        "--sync-clock", action="store_true",
+        "--sync-clock",
+        action="store_true",
         default=env.get("AGENTENV_ENVD_SYNC_CLOCK", "").lower() in ("1", "true", "yes"),
         help="set the clock from POST /init's timestamp when it is allowed (microVM guests)",
     )
     parser.add_argument("--version", action="version", version=ENVD_VERSION)
     args = parser.parse_args(argv)
     return EnvdSettings(
-        host=args.host, port=args.port, access_token=args.access_token, log_level=args.log_level,
+        host=args.host,
+        port=args.port,
+        access_token=args.access_token,
+        log_level=args.log_level,
         sync_clock=args.sync_clock,
     )
