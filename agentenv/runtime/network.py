@@ -23,11 +23,15 @@ group of rules per sandbox, tagged ``ae-<sandbox_id>`` for removal:
   in POSTROUTING), without it every packet the sandbox tries to send onward is dropped;
 * nothing may open a forwarded connection into a sandbox.
 
-A note for snapshot/restore: a checkpointed gVisor netstack keeps its IP address, so a restored
-sandbox needs the address it was snapshotted with. With per-slot addresses a restore must get
-the same slot (impossible for a fork while the parent runs). The alternative is one fixed
-address inside every netns, each reached through its own veth by a per-netns NAT; see
-``FIXED_GUEST_ADDRESSING`` below and the report of the runtime helper.
+Snapshot/restore: a checkpointed gVisor netstack keeps the address it was saved with. Two ways
+to live with that were on the table: (a) one fixed address inside every netns, each sandbox
+reached through its own veth and a per-netns NAT, so a restored image fits any slot; (b) keep
+per-slot addresses and re-address the restored netstack. gVisor's netstack owns the sandbox end
+of the veth (the netns kernel never sees its packets), so (a) would need a second veth pair and
+DNAT inside every netns, one more hop on every envd request. The checkpoint code takes (b): a
+resume keeps its slot, a restore into a new sandbox (fork) gets a new slot and re-addresses the
+netstack with ``runsc exec ip`` (see ``agentenv/runtime/gvisor/checkpoint.py``). QEMU guests
+use a fixed guest address behind a tap instead (their own choice, inside the same netns).
 """
 
 from __future__ import annotations
@@ -55,9 +59,6 @@ CHAIN = "AGENTENV"
 NETNS_DIR = Path("/var/run/netns")
 #: Serialises creation of the shared chains and hooks among all agentenv processes on the host.
 GLOBAL_LOCK = Path("/run/agentenv-net.lock")
-#: Whether every sandbox uses the same in-netns address (see module docstring). Not yet:
-#: sandboxes are addressed by slot; a restored gVisor sandbox must keep its slot's address.
-FIXED_GUEST_ADDRESSING = False
 
 
 class NetworkError(RuntimeError_):
