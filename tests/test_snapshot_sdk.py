@@ -22,7 +22,11 @@ from e2e_fixtures import (
     wait_no_host_resources,
 )
 
-COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &"
+# Written by rename, so a reader never sees a truncated file.
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
+    "mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &"
+)
 
 
 def counter(sbx: Sandbox) -> int:
@@ -89,7 +93,9 @@ def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, agentenv_s
 
 def test_fork_16_children_diverge_and_survive_the_parent(parent: Sandbox) -> None:
     before = start_state(parent)
+    started = time.monotonic()
     results = parent.fork(count=16, timeout=120)
+    print(f"fork 16: {time.monotonic() - started:.2f} s")
     children = [c for c in results if isinstance(c, Sandbox)]
     assert len(children) == 16, [str(e) for e in results if not isinstance(e, Sandbox)]
     try:
@@ -148,7 +154,9 @@ def test_paused_sandbox_survives_server_restart(private_server: ServerProcess) -
     before = start_state(sbx)
     sbx.pause()
     private_server.stop()
-    restarted = start_server(private_server.data_dir, port=private_server.port, api_key=private_server.api_key)
+    restarted = start_server(
+        private_server.data_dir, port=private_server.port, api_key=private_server.api_key
+    )
     try:
         resumed = Sandbox.connect(sbx.sandbox_id, timeout=300, **opts)
         assert_state_continues(resumed, before)
@@ -178,7 +186,9 @@ def test_kill_9_mid_pause_keeps_committed_snapshots_and_leaks_nothing(private_se
     time.sleep(0.6)  # the checkpoint takes seconds on this runsc: we are inside it
     private_server.kill_hard()
     done.wait(30)
-    restarted = start_server(private_server.data_dir, port=private_server.port, api_key=private_server.api_key)
+    restarted = start_server(
+        private_server.data_dir, port=private_server.port, api_key=private_server.api_key
+    )
     try:
         # The committed snapshot is intact and usable; the interrupted pause left no snapshot dir.
         names = {s.snapshot_id for s in Sandbox.list_snapshots(**opts).next_items()}
@@ -186,7 +196,8 @@ def test_kill_9_mid_pause_keeps_committed_snapshots_and_leaks_nothing(private_se
         leftovers = [p.name for p in (private_server.data_dir / "snapshots").iterdir()]
         assert leftovers == [committed.snapshot_id]
         db = sqlite3.connect(private_server.data_dir / "agentenv.sqlite3")
-        state = db.execute("SELECT state FROM sandboxes WHERE sandbox_id = ?", (sbx.sandbox_id,)).fetchone()[0]
+        row = db.execute("SELECT state FROM sandboxes WHERE sandbox_id = ?", (sbx.sandbox_id,)).fetchone()
+        state = row[0]
         db.close()
         if state != "paused":  # interrupted before the commit: recovery removed the sandbox
             assert state == "killed"
