@@ -168,7 +168,19 @@ async def test_create_get_kill(node: Node) -> None:
     life = dt.datetime.fromisoformat(detail["endAt"]) - dt.datetime.fromisoformat(detail["startedAt"])
     assert 59 <= life.total_seconds() <= 61
 
+    # envd's output file in the sandbox directory is collected into the sandbox's logs,
+    # incrementally while it runs and once more when it is killed.
+    envd_log = node.settings.data_dir / "sandboxes" / sid / "envd.log"
+    envd_log.parent.mkdir(parents=True, exist_ok=True)
+    envd_log.write_text("envd: listening\n")
+    first = (await node.client.get(f"/v2/sandboxes/{sid}/logs", params={"search": "envd:"})).json()
+    assert [e["message"] for e in first["logs"]] == ["envd: listening"]
+    with envd_log.open("a") as f:
+        f.write("envd: process started\npartial line without newline")
     assert (await node.client.delete(f"/sandboxes/{sid}")).status_code == 204
+    after = (await node.client.get(f"/v2/sandboxes/{sid}/logs", params={"search": "envd:"})).json()
+    assert [e["message"] for e in after["logs"]] == ["envd: listening", "envd: process started"]
+    assert after["logs"][0]["fields"] == {"source": "envd"}
     assert sid not in node.runtime.servers
     assert_e2b_error(await node.client.get(f"/sandboxes/{sid}"), 404)
     assert_e2b_error(await node.client.delete(f"/sandboxes/{sid}"), 404)
