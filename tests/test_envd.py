@@ -1032,7 +1032,7 @@ def _slow_connect_stream(url: str, path: str, message: dict[str, Any]) -> Iterat
 def test_slow_client_gets_all_output_without_envd_buffering_it() -> None:
     """Backpressure: a client reading slower than the process writes holds the process back
     (through its pipe) instead of envd queueing the whole output in memory."""
-    server = _start_envd()
+    server = _start_envd({"AGENTENV_ENVD_STREAM_BUFFER_MIB": "2"})
     try:
         status = Path(f"/proc/{server.proc.pid}/status")
         if "VmHWM:" not in status.read_text():
@@ -1059,3 +1059,12 @@ def test_slow_client_gets_all_output_without_envd_buffering_it() -> None:
         assert grown_kib < size / 1024 / 3  # unbounded queueing grows it by about the output size
     finally:
         assert "Traceback" not in _stop_envd(server)
+
+
+def test_unread_background_command_is_not_held_up(sbx: Sandbox) -> None:
+    """A background handle nobody iterates yet: the process still runs to the end (its output
+    waits in envd, within the per-stream buffer) and wait() later gets all of it."""
+    handle = sbx.commands.run("head -c 8000000 /dev/zero | tr '\\0' x; echo fin >&2", background=True)
+    _wait_for(lambda: handle.pid not in {p.pid for p in sbx.commands.list()}, timeout=20)
+    result = handle.wait()
+    assert len(result.stdout) == 8_000_000 and result.stderr == "fin\n"

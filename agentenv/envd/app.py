@@ -141,7 +141,7 @@ async def get_metrics(request: Request) -> Response:
 
 def create_app(settings: EnvdSettings) -> Starlette:
     state = EnvdState(access_token=settings.access_token)
-    table = ProcessTable()
+    table = ProcessTable(stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)
     filesystem = FilesystemService(state)
 
     @contextlib.asynccontextmanager

@@ -61,12 +61,13 @@ def describe_exit(returncode: int) -> ProcessEvent.EndEvent:
 
 
 OutputStream = Literal["stdout", "stderr", "pty"]
-#: Events buffered per attached stream (at most 64 KiB each). When a client's queue is full the
-#: output readers wait, so a slow client slows the process down through its pipe, as a terminal
-#: would, instead of growing envd's memory.
-_QUEUE_EVENTS = 64
-#: A client that takes no event for this long is dropped rather than holding the process up.
-_STALLED_CLIENT_SECONDS = 30.0
+#: Output bytes buffered per attached stream by default. Within it a client may fall behind without
+#: slowing the process (a background command whose handle nobody reads yet); past it the output
+#: readers wait, so the process is slowed through its pipe, as a terminal would slow it, instead
+#: of envd's memory growing with the output.
+DEFAULT_STREAM_BUFFER_BYTES = 32 * 1024 * 1024
+#: A client whose buffer stays full this long is dropped rather than holding the process up.
+_STALLED_CLIENT_SECONDS = 10.0
 
 
 class StreamOverflow:
@@ -75,6 +76,35 @@ class StreamOverflow:
 
 OVERFLOW = StreamOverflow()
 StreamItem = ProcessEvent | StreamOverflow | None
+
+
+def _payload_size(item: StreamItem) -> int:
+    if isinstance(item, ProcessEvent) and item.event is not None and item.event.field == "data":
+        data = item.event.value
+        if isinstance(data, ProcessEvent.DataEvent) and data.output is not None:
+            return len(data.output.value)
+    return 0
+
+
+class OutputQueue(asyncio.Queue[StreamItem]):
+    """A queue that is full by bytes of output held, not by number of events."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self._budget = budget
+        self._held = 0
+
+    def full(self) -> bool:
+        return self._held >= self._budget
+
+    def _put(self, item: StreamItem) -> None:
+        super()._put(item)
+        self._held += _payload_size(item)
+
+    def _get(self) -> StreamItem:
+        item = super()._get()
+        self._held -= _payload_size(item)
+        return item
 
 
 def _data_event(stream: OutputStream, chunk: bytes) -> ProcessEvent:
@@ -92,7 +122,8 @@ class ManagedProcess:
     tag: str | None
     proc: asyncio.subprocess.Process
     pty_fd: int | None
-    subscribers: set[asyncio.Queue[StreamItem]] = field(default_factory=set)
+    buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES
+    subscribers: set[OutputQueue] = field(default_factory=set)
     end: ProcessEvent | None = None
     _last_output: float = 0.0
     #: output readers currently waiting for a slow client (see _drain)
@@ -102,8 +133,8 @@ class ManagedProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def subscribe(self) -> asyncio.Queue[StreamItem]:
-        queue: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
+    def subscribe(self) -> OutputQueue:
+        queue = OutputQueue(self.buffer_bytes)
         if self.end is not None:  # exited between lookup and attach: hand over the end at once
             queue.put_nowait(self.end)
             queue.put_nowait(None)
@@ -111,7 +142,7 @@ class ManagedProcess:
             self.subscribers.add(queue)
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[StreamItem]) -> None:
+    def unsubscribe(self, queue: OutputQueue) -> None:
         self.subscribers.discard(queue)
         _empty(queue)  # releases a reader waiting for room in it
 
@@ -205,7 +236,8 @@ class ManagedProcess:
 
 
 class ProcessTable:
-    def __init__(self) -> None:
+    def __init__(self, stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES) -> None:
+        self._stream_buffer_bytes = stream_buffer_bytes
         self._by_pid: dict[int, ManagedProcess] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._spawning = 0
@@ -251,7 +283,9 @@ class ProcessTable:
             raise ConnectError(Code.INVALID_ARGUMENT, f"failed to start '{config.cmd}': {exc}") from None
         finally:
             self._spawning -= 1
-        managed = ManagedProcess(config=config, tag=tag, proc=proc, pty_fd=master)
+        managed = ManagedProcess(
+            config=config, tag=tag, proc=proc, pty_fd=master, buffer_bytes=self._stream_buffer_bytes
+        )
         self._by_pid[proc.pid] = managed
         task = asyncio.create_task(self._supervise(managed), name=f"envd-process-{proc.pid}")
         self._tasks.add(task)
@@ -358,7 +392,7 @@ def _start_readers(managed: ManagedProcess) -> list[asyncio.Task[None]]:
     return readers
 
 
-def _empty(queue: asyncio.Queue[StreamItem]) -> None:
+def _empty(queue: OutputQueue) -> None:
     while not queue.empty():
         queue.get_nowait()
 

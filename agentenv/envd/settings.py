@@ -25,6 +25,8 @@ class EnvdSettings:
     #: Set the guest clock from ``/init``'s timestamp. Off by default: envd run on a host (tests,
     #: development) must never move the host's clock. gVisor refuses clock_settime anyway.
     sync_clock: bool = False
+    #: Output a process stream may hold for a client that reads slower than the process writes.
+    stream_buffer_mib: int = 32
 
 
 def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
@@ -40,6 +42,12 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
         default=env.get("AGENTENV_ENVD_SYNC_CLOCK", "").lower() in ("1", "true", "yes"),
         help="set the clock from POST /init's timestamp when it is allowed (microVM guests)",
     )
+    parser.add_argument(
+        "--stream-buffer-mib",
+        type=int,
+        default=int(env.get("AGENTENV_ENVD_STREAM_BUFFER_MIB", "32")),
+        help="output held per process stream for a slow client before the process is slowed down",
+    )
     parser.add_argument("--version", action="version", version=ENVD_VERSION)
     args = parser.parse_args(argv)
     return EnvdSettings(
@@ -48,4 +56,5 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
         access_token=args.access_token,
         log_level=args.log_level,
         sync_clock=args.sync_clock,
+        stream_buffer_mib=max(1, args.stream_buffer_mib),
     )
