@@ -194,12 +194,16 @@ async def test_envd_that_never_answers_times_out(
 async def test_cleanup_orphans(gvisor: GvisorRuntime, base_template: TemplateImage) -> None:
     keep_id, orphan_id = unique_id("keep"), unique_id("orph")
     keep = await gvisor.create(SandboxSpec(sandbox_id=keep_id, template=base_template))
+    stale = gvisor.settings.data_dir / "envd-runtime" / "0123456789abcdef"
+    stale.mkdir()
     try:
         await gvisor.create(SandboxSpec(sandbox_id=orphan_id, template=base_template))
         removed = await gvisor.cleanup_orphans({keep_id})
         assert orphan_id in removed and keep_id not in removed
         assert leftovers(gvisor, orphan_id) == {}
         assert await gvisor.is_alive(keep)
+        assert not stale.exists()  # an envd bundle nobody uses any more
+        assert (gvisor.settings.data_dir / "envd-runtime" / Path(keep.state["envd_bundle"]).name).exists()
     finally:
         await gvisor.kill(keep)
     assert leftovers(gvisor, keep_id) == {}

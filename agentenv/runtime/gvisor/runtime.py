@@ -41,7 +41,14 @@ from agentenv.runtime.base import (
     TemplateImage,
 )
 from agentenv.runtime.network import SandboxNetwork
-from agentenv.storage.envd_bundle import MOUNT_POINT, build_envd_bundle, envd_argv, envd_env
+from agentenv.storage.envd_bundle import (
+    MOUNT_POINT,
+    build_envd_bundle,
+    bundle_hash,
+    envd_argv,
+    envd_env,
+    remove_stale_bundles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +457,19 @@ class GvisorRuntime(Runtime):
         orphans = sorted(found - keep)
         for sandbox_id in orphans:
             await self._destroy(sandbox_id, None)
+        await asyncio.to_thread(self._remove_unused_bundles)
         return orphans
+
+    def _remove_unused_bundles(self) -> None:
+        """Delete envd bundles that neither the current envd nor a remaining sandbox uses
+        (every envd edit or dependency upgrade leaves one behind)."""
+        in_use = {bundle_hash()}
+        sandboxes = self.settings.data_dir / "sandboxes"
+        for config in sandboxes.glob("*/bundle/config.json") if sandboxes.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                mounts = json.loads(config.read_text())["mounts"]
+                in_use |= {Path(m["source"]).name for m in mounts if m["destination"] == MOUNT_POINT}
+        remove_stale_bundles(self.settings, in_use)
 
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
         checkpoint = importlib.import_module("agentenv.runtime.gvisor.checkpoint")
