@@ -96,7 +96,7 @@ class GuestImages:
 
     def cmdline(self, guest_ip: str, gateway: str, prefixlen: int = 30, console: str = "ttyS0") -> str:
         return (
-            f"console={console} reboot=k panic=-1 quiet loglevel=4 "
+            f"console={console} reboot=k panic=-1 loglevel=4 "
             f"agentenv.ip={guest_ip}/{prefixlen} agentenv.gw={gateway}"
         )
 

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 MARKER = "qemu.json"
 #: TCG boots a kernel and a python envd several times slower than KVM.
 ENVD_TIMEOUT_KVM = 60.0
-ENVD_TIMEOUT_TCG = 180.0
+ENVD_TIMEOUT_TCG = 300.0
 SNAPSHOT_MEMORY = "memory.bin"
 SNAPSHOT_UPPER = "upper.ext4"
 SNAPSHOT_META = "vm.json"
@@ -114,6 +114,17 @@ def remove_snapshot_disk(settings: Settings, snapshot_id: str) -> None:
     layer_dir = pool.root / "snapshots" / snapshot_id
     if layer_dir.exists():
         pool.remove_tree(layer_dir)
+
+
+def tcg_clock_args(accel: str) -> str:
+    """Under TCG the guest reads the host's TSC, but calibrating it against the emulated PIT
+    fails on a busy host and the kernel then hangs in early boot: tell it the frequency."""
+    if accel != "tcg":
+        return ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("cpu MHz"):
+            return f" tsc_early_khz={int(float(line.partition(':')[2]) * 1000)}"
+    return ""
 
 
 def serial_tail(path: Path, limit: int = 1500) -> str:
@@ -197,11 +208,13 @@ class QemuRuntime(Runtime):
         gateway, guest = vmnet.guest_addresses(self.settings)
         drives = [("base", images.base, True), ("upper", paths.upper, False), ("envd", images.envd, True)]
         cmd = [
-            self.qemu, "-M", f"microvm,accel={accel}", "-cpu", "host" if accel == "kvm" else "max",
+            # TCG: legacy PIT/PIC/RTC as timer references (KVM guests have kvmclock).
+            self.qemu, "-M", f"microvm,accel={accel}" + (",pit=on,pic=on,rtc=on" if accel == "tcg" else ""),
+            "-cpu", "host" if accel == "kvm" else "max",
             "-m", str(memory_mb), "-smp", str(vcpus), "-nodefaults", "-no-user-config",
             "-display", "none", "-no-reboot",
             "-kernel", str(images.kernel.vmlinux), "-initrd", str(images.kernel.initramfs),
-            "-append", images.cmdline(guest, gateway) + " earlyprintk=ttyS0",
+            "-append", images.cmdline(guest, gateway) + " earlyprintk=ttyS0" + tcg_clock_args(accel),
             "-serial", f"file:{paths.serial}",
             "-qmp", f"unix:{paths.qmp},server=on,wait=off",
             "-pidfile", str(paths.pidfile), "-daemonize",
@@ -298,11 +311,16 @@ class QemuRuntime(Runtime):
         try:
             deadline = time.monotonic() + limit_s
             while True:
-                status = await qmp.execute("query-status")
-                if status.get("status") == "running":
+                status = (await qmp.execute("query-status")).get("status")
+                if status == "running":
                     return
-                if status.get("status") not in ("inmigrate", "prelaunch", "paused", "restore-vm"):
-                    raise RuntimeError_(f"restore failed: VM status {status.get('status')}")
+                if status == "paused":
+                    # The snapshot was taken with the vCPUs stopped, so QEMU does not start
+                    # them after the incoming migration by itself.
+                    await qmp.execute("cont")
+                    return
+                if status not in ("inmigrate", "prelaunch", "restore-vm"):
+                    raise RuntimeError_(f"restore failed: VM status {status}")
                 if time.monotonic() > deadline:
                     raise RuntimeError_("restore: the incoming migration did not finish in time")
                 await asyncio.sleep(0.02)
