@@ -63,14 +63,16 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, Any]:
 
             samples["pause"].append(_timed(child.pause))
             start = time.perf_counter()
-            resumed = Sandbox.connect(child.sandbox_id, timeout=300, **opts)  # type: ignore[arg-type]
+            resumed = Sandbox.connect(child.sandbox_id, timeout=300, **opts)  # type: ignore[arg-type,call-overload]
             resumed.commands.run("true")
             samples["resume_to_first_command"].append(time.perf_counter() - start)
 
             resumed.commands.run("head -c 104857600 /dev/urandom > /home/user/blob")
-            samples["snapshot_after_100mib_write"].append(
-                _timed(lambda s=resumed: Sandbox.delete_snapshot(s.create_snapshot().snapshot_id, **opts))
-            )
+            def snapshot_and_drop(sbx: Any = resumed) -> None:
+                info = sbx.create_snapshot()
+                Sandbox.delete_snapshot(info.snapshot_id, **opts)  # type: ignore[arg-type]
+
+            samples["snapshot_after_100mib_write"].append(_timed(snapshot_and_drop))
             resumed.kill()
         fork_runs = max(1, min(runs, int(os.environ.get("AGENTENV_BENCH_FORK_RUNS", "3"))))
         for _ in range(fork_runs):
@@ -84,7 +86,7 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, Any]:
                 samples["fork16_to_all_answering"].append(time.perf_counter() - start)
             for c in children:
                 c.kill()
-        Sandbox.delete_snapshot(snap.snapshot_id, **opts)
+        Sandbox.delete_snapshot(snap.snapshot_id, **opts)  # type: ignore[arg-type]
     finally:
         parent.kill()
     return {
@@ -97,10 +99,15 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    url = os.environ.get("E2B_API_URL", "http://127.0.0.1:3000")
-    key = os.environ["E2B_API_KEY"]
+    """``python -m bench.lifecycle [runs]``: against E2B_API_URL, or a server of its own."""
+    from bench.harness import serve
+
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-    result = run(url, key, runs)
+    if os.environ.get("E2B_API_URL"):
+        result = run(os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"], runs)
+    else:
+        with serve() as server:
+            result = run(server.url, server.api_key, runs)
     path = write_result("lifecycle", result)
     print(json.dumps(result["stats"], indent=2), "\n->", path)
 

@@ -94,7 +94,7 @@ def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, agentenv_s
 def test_fork_16_children_diverge_and_survive_the_parent(parent: Sandbox) -> None:
     before = start_state(parent)
     started = time.monotonic()
-    results = parent.fork(count=16, timeout=120)
+    results = parent.fork(count=16, timeout=900)
     print(f"fork 16: {time.monotonic() - started:.2f} s")
     children = [c for c in results if isinstance(c, Sandbox)]
     assert len(children) == 16, [str(e) for e in results if not isinstance(e, Sandbox)]
