@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(runsc debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
-  erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf)
+  erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils)
 
 need=()
 want=("${APT_PACKAGES[@]}")
