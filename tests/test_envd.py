@@ -1068,3 +1068,34 @@ def test_unread_background_command_is_not_held_up(sbx: Sandbox) -> None:
     _wait_for(lambda: handle.pid not in {p.pid for p in sbx.commands.list()}, timeout=20)
     result = handle.wait()
     assert len(result.stdout) == 8_000_000 and result.stderr == "fin\n"
+
+
+def test_stalled_client_is_dropped_and_the_process_runs_on(workdir: str) -> None:
+    server = _start_envd({"AGENTENV_ENVD_STREAM_BUFFER_MIB": "1"})
+    try:
+        marker = f"{workdir}/finished"
+        body = json.dumps(
+            {"process": {"cmd": "/bin/sh", "args": ["-c", f"head -c 20000000 /dev/zero; touch {marker}"]}}
+        ).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            envelope = struct.pack(">BI", 0, len(body)) + body
+            sock.sendall(
+                b"POST /process.Process/Start HTTP/1.1\r\nHost: envd\r\n"
+                b"Content-Type: application/connect+json\r\n"
+                + f"Content-Length: {len(envelope)}\r\n\r\n".encode()
+                + envelope
+            )
+            # Read nothing: the process must not wait for us longer than the stall limit (10 s).
+            _wait_for(lambda: os.path.exists(marker), timeout=30)
+            sock.settimeout(10)
+            tail = b""
+            while b"aborted" not in tail:
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                tail = (tail + chunk)[-4096:]
+        assert b'"aborted"' in tail and b"fell behind" in tail
+    finally:
+        assert "Traceback" not in _stop_envd(server)

@@ -107,7 +107,7 @@ class ProcessService:
                     yield event
                 else:  # dropped: it took no output for too long
                     raise ConnectError(
-                        Code.RESOURCE_EXHAUSTED,
+                        Code.ABORTED,  # not RESOURCE_EXHAUSTED: the SDK reads that as a rate limit
                         f"stream fell behind process {managed.pid}'s output and was dropped; connect again",
                     )
         finally:
