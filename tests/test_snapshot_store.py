@@ -1,0 +1,66 @@
+"""Snapshot directories and registry rows: atomic commit, sweep of crash leftovers, delete."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import aiosqlite
+import pytest
+
+from agentenv.storage import snapshots as storage
+from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def row(snapshot_id: str, name: str | None = None) -> SnapshotRow:
+    return SnapshotRow(snapshot_id=snapshot_id, kind="snapshot", source_sandbox_id="sbx1", runtime="gvisor",
+                       template_id="base", created_at=dt.datetime.now(dt.UTC), name=name)
+
+
+async def make_store(tmp_path: Path) -> tuple[SnapshotStore, aiosqlite.Connection]:
+    db = await aiosqlite.connect(tmp_path / "db.sqlite3")
+    db.row_factory = aiosqlite.Row
+    store = SnapshotStore(db, tmp_path)
+    await store.open()
+    return store, db
+
+
+async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Path) -> None:
+    store, db = await make_store(tmp_path)
+    try:
+        temp = storage.temp_ref(tmp_path, "snapA")
+        temp.path.mkdir()
+        (temp.path / "meta.json").write_text("{}")
+        committed = storage.commit_dir(tmp_path, temp)
+        assert committed.path == tmp_path / "snapshots" / "snapA" and not temp.path.exists()
+        await store.add(row("snapA", name="mine"))
+        # Crash leftovers: an uncommitted temp dir, a committed dir whose row never got written,
+        # and a row whose dir is gone.
+        (tmp_path / "snapshots" / ".tmp-snapB-123").mkdir()
+        (tmp_path / "snapshots" / "snapC").mkdir()
+        await store.add(row("snapD"))
+        removed = await store.sweep_incomplete()
+        assert sorted(removed) == [".tmp-snapB-123", "snapC", "snapD"]
+        assert [p.name for p in (tmp_path / "snapshots").iterdir()] == ["snapA"]
+        assert (tmp_path / "snapshots" / "snapA" / "meta.json").read_text() == "{}"
+        found = await store.find("team/mine:default")
+        assert found is not None and found.snapshot_id == "snapA"
+        assert await store.find("snapD") is None
+    finally:
+        await db.close()
+
+
+async def test_delete_removes_row_and_dir(tmp_path: Path) -> None:
+    store, db = await make_store(tmp_path)
+    try:
+        for sid in ("s1", "s2"):
+            (tmp_path / "snapshots" / sid).mkdir(parents=True)
+            await store.add(row(sid))
+        await store.delete("s1")
+        assert await store.get("s1") is None and not (tmp_path / "snapshots" / "s1").exists()
+        assert await store.get("s2") is not None and (tmp_path / "snapshots" / "s2").is_dir()
+        assert [p.name for p in (tmp_path / "snapshots").iterdir()] == ["s2"]
+    finally:
+        await db.close()
