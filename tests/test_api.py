@@ -337,6 +337,16 @@ async def test_proxy_routes_by_header_and_host(node: Node) -> None:
     assert echo["raw_path"] == "/some/path%2Fx" and echo["query"] == "a=1&b=%20" and echo["body"] == "hello"
     seen = node.runtime.seen[sid].headers[-1]
     assert seen["x-custom"] == "v" and "e2b-sandbox-id" not in seen
+    await node.client.get("/x", headers={**node.sandbox_headers(sid), "Connection": "keep-alive, X-Hop",
+                                         "X-Hop": "1"})
+    assert "x-hop" not in node.runtime.seen[sid].headers[-1]
+    # Idempotency-Key: a retried create returns the same sandbox.
+    key = "retry-" + os.urandom(4).hex()
+    idem = {"Idempotency-Key": key}
+    first = await node.client.post("/v2/sandboxes", json={"templateID": "base"}, headers=idem)
+    again = await node.client.post("/v2/sandboxes", json={"templateID": "base"}, headers=idem)
+    assert first.json()["sandboxID"] == again.json()["sandboxID"]
+    await node.client.delete(f"/sandboxes/{first.json()['sandboxID']}")
     async with httpx.AsyncClient(base_url=node.url) as anon:
         host = f"8080-{sid}.localhost:{node.settings.port}"
         # Port 8080 of the dummy sandbox is closed: the SDK's "port is not open" answer.

@@ -95,11 +95,18 @@ def port_closed_message(sandbox_id: str, port: int) -> str:
     return f"The sandbox {sandbox_id} is running but port is not open (port {port})"
 
 
+def _connection_tokens(scope: Scope) -> set[str]:
+    """Headers the client named in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1)."""
+    value = _header(scope, b"connection") or ""
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
 def forward_headers(scope: Scope, target: Target) -> list[tuple[str, str]]:
     out = []
+    drop = HOP_BY_HOP | ROUTING_HEADERS | _connection_tokens(scope)
     for key, value in scope.get("headers", []):
         name = key.decode("latin-1").lower()
-        if name in HOP_BY_HOP or name in ROUTING_HEADERS:
+        if name in drop:
             continue
         out.append((name, value.decode("latin-1")))
     client = scope.get("client")

@@ -54,6 +54,7 @@ REAPER_INTERVAL_SECONDS = 0.5
 METRICS_INTERVAL_SECONDS = 5.0
 METRICS_HISTORY = 720  # one hour at 5 s
 INIT_ATTEMPTS = 20
+IDEMPOTENCY_KEYS_KEPT = 10_000
 #: Runtime log files in ``{data_dir}/sandboxes/<id>/`` collected into the sandbox's logs.
 RUNTIME_LOG_FILES = ("envd.log",)
 LOG_READ_LIMIT = 1 << 20
@@ -236,6 +237,8 @@ class Orchestrator:
         assert isinstance(rec, SandboxRecord)
         if idempotency_key:
             self._idempotency[idempotency_key] = rec.sandbox_id
+            while len(self._idempotency) > IDEMPOTENCY_KEYS_KEPT:  # oldest first (dict order)
+                self._idempotency.pop(next(iter(self._idempotency)))
         return rec
 
     async def _create(self, req: CreateRequest) -> SandboxRecord:
