@@ -106,7 +106,21 @@ def snapshot_disk(settings: Settings, upper: Path, dest: SnapshotRef) -> Path:
     link = dest.path / SNAPSHOT_UPPER
     link.unlink(missing_ok=True)
     link.symlink_to(layer)
+    # Back-pointer: once the snapshot directory is deleted, orphan clean-up frees the layer.
+    (layer.parent / "owner").write_text(str(dest.path.resolve()) + "\n")
     return layer
+
+
+def remove_orphan_snapshot_disks(settings: Settings) -> list[str]:
+    """Delete snapshot layers whose snapshot directory no longer exists."""
+    pool = ReflinkPool(settings.data_dir)
+    removed = []
+    for owner in sorted((pool.root / "snapshots").glob("*/owner")):
+        with contextlib.suppress(OSError):
+            if not Path(owner.read_text().strip()).is_dir():
+                pool.remove_tree(owner.parent)
+                removed.append(owner.parent.name)
+    return removed
 
 
 def remove_snapshot_disk(settings: Settings, snapshot_id: str) -> None:
@@ -386,6 +400,7 @@ class QemuRuntime(Runtime):
                 continue
             await self._destroy(sid, {})
             removed.append(sid)
+        await asyncio.to_thread(remove_orphan_snapshot_disks, self.settings)
         return removed
 
     # -- snapshots ----------------------------------------------------------------------------
