@@ -338,15 +338,16 @@ mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
 mount -t tmpfs tmpfs /newroot/dev/shm
 echo "agentenv-init: starting envd" > /dev/console
-exec switch_root /newroot @ENVD_EXEC@
+# env -i runs here, from the initramfs: the template's root file system needs no env binary.
+exec /bin/env -i @ENVD_ENV@ /bin/switch_root /newroot @ENVD_ARGV@
 """
 
 
 def init_script() -> str:
     env = " ".join(f"{k}='{v}'" for k, v in envd_env().items())
     argv = " ".join(envd_argv(mount_point=MOUNT_POINT))
-    # busybox env clears the initramfs environment, so envd and its children see only envd_env().
-    return INIT_SCRIPT.replace("@ENVD_EXEC@", f"/bin/env -i {env} {argv}")
+    # env -i clears the initramfs environment, so envd and its children see only envd_env().
+    return INIT_SCRIPT.replace("@ENVD_ENV@", env).replace("@ENVD_ARGV@", argv)
 
 
 #: /dev/console (5, 1): the kernel opens it for init's stdio before devtmpfs is mounted.
