@@ -12,11 +12,13 @@ QEMU under TCG boots a kernel and a python envd on an emulated CPU (1-3 minutes 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
+from agentenv.storage.reflink import ReflinkPool
 from bench import reflink
 from bench.harness import serve, stats
 
@@ -49,7 +51,6 @@ def _qemu_snapshot_restore(runs: int) -> dict[str, object]:
     from agentenv.config import Settings
     from agentenv.runtime.base import SandboxSpec, SnapshotRef
     from agentenv.runtime.qemu.runtime import QemuRuntime
-    from agentenv.storage.reflink import ReflinkPool
     from agentenv.storage.templates import load_template
 
     data = Path(tempfile.mkdtemp(prefix="aebq-", dir="/tmp"))
@@ -80,6 +81,7 @@ def _qemu_snapshot_restore(runs: int) -> dict[str, object]:
     finally:
         asyncio.run(runtime.cleanup_orphans(set()))
         ReflinkPool(data).destroy()
+        shutil.rmtree(data, ignore_errors=True)
     return {"save": stats(save), "restore_to_envd": stats(restore),
             "memory_file_mib": round(sum(sizes) / max(1, len(sizes)) / (1 << 20), 1)}
 
@@ -89,7 +91,13 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, object]:
     result["default_runtime"] = _sdk_cycle(server_url, api_key, runs)
     qemu_runs = min(runs, QEMU_RUNS)
     with serve(runtime="qemu") as qemu_server:
-        result["qemu_tcg"] = _sdk_cycle(qemu_server.url, qemu_server.api_key, qemu_runs)
+        try:
+            result["qemu_tcg"] = _sdk_cycle(qemu_server.url, qemu_server.api_key, qemu_runs)
+        finally:
+            qemu_data = qemu_server.data_dir
+    # The server's runtime loop-mounted a reflink pool in its data directory: release it.
+    ReflinkPool(qemu_data).destroy()
+    shutil.rmtree(qemu_data, ignore_errors=True)
     result["qemu_tcg_snapshot"] = _qemu_snapshot_restore(qemu_runs)
     result["qemu_runs"] = qemu_runs
     return result
