@@ -37,6 +37,11 @@ def summarise(results: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measurements(payload: dict[str, object]) -> dict[str, object]:
+    """A result file without its bookkeeping fields."""
+    return {k: v for k, v in payload.items() if k not in ("benchmark", "recorded_at", "errors")}
+
+
 def update_readme(summary: str) -> None:
     readme = REPO / "README.md"
     text = readme.read_text()
@@ -72,7 +77,9 @@ def main() -> None:
             results[name] = module.run(server.url, server.api_key, args.runs)
             write_result(name, results[name])
 
-    summary = summarise(results)
+    # The summary covers every recorded benchmark, also those not re-run this time.
+    recorded = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
+    summary = summarise({name: _measurements(payload) for name, payload in recorded.items()})
     (RESULTS / "SUMMARY.md").write_text(summary)
     update_readme(summary)
     print(summary)
