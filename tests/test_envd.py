@@ -92,6 +92,13 @@ class Envd:
         return {"X-Access-Token": self.token} if self.token else {}
 
 
+# These tests run envd on the host, so its commands are root's `bash -l` on the host. Where root's
+# profile runs `pyenv rehash` (as on our machines), a command SIGKILLed mid-rehash leaves pyenv's lock
+# file behind and every later login shell waits 60 s for it. Envd passes its environment on to the
+# commands it starts: give up on a stale lock after 1 s instead.
+os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
+
+
 def _start_envd(env_extra: dict[str, str] | None = None) -> Envd:
     port = _free_port()
     env = {**os.environ, **(env_extra or {})}
