@@ -9,7 +9,10 @@ APT_PACKAGES=(runsc debootstrap iproute2 iptables busybox-static qemu-system-x86
 
 need=()
 want=("${APT_PACKAGES[@]}")
-if [[ "${1:-}" == "--test" ]]; then want+=(nodejs npm); fi
+# nodejs/npm may already come from elsewhere on the machine (not dpkg): never fight an existing node.
+if [[ "${1:-}" == "--test" ]] && ! { command -v node && command -v npm; } >/dev/null; then
+  want+=(nodejs npm)
+fi
 for p in "${want[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
@@ -17,11 +20,7 @@ if ((${#need[@]})); then
   echo "bootstrap: installing Debian packages: ${need[*]}"
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
   $SUDO apt-get update -qq
-  # nodejs/npm may already come from elsewhere on the machine; never fight an existing node.
-  if command -v node >/dev/null && command -v npm >/dev/null; then
-    need=("${need[@]/nodejs}"); need=("${need[@]/npm}")
-  fi
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends ${need[@]} >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}
