@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 
@@ -110,6 +111,18 @@ ResumeHook = Callable[["Orchestrator", SandboxRecord, int], Awaitable[SandboxRec
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def raise_creation_failure(exc: BaseException, what: str) -> NoReturn:
+    """Re-raise why a create or restore failed (its sandbox already cleaned up) as the error the
+    API reports: runtime failures keep their status, anything unexpected is a 500."""
+    if isinstance(exc, RuntimeError_):
+        raise OrchestratorError(exc.code, f"{what} failed: {exc.message}") from None
+    if isinstance(exc, OrchestratorError):
+        raise exc
+    if isinstance(exc, Exception):
+        raise OrchestratorError(500, f"{what} failed: {exc}") from exc
+    raise exc
 
 
 class Orchestrator:
@@ -290,13 +303,7 @@ class Orchestrator:
                 await self._init_envd(rec)
             except BaseException as exc:
                 await self._abort_create(rec, runtime, exc)
-                if isinstance(exc, RuntimeError_):
-                    raise OrchestratorError(exc.code, f"sandbox creation failed: {exc.message}") from None
-                if isinstance(exc, OrchestratorError):
-                    raise
-                if isinstance(exc, Exception):
-                    raise OrchestratorError(500, f"sandbox creation failed: {exc}") from exc
-                raise
+                raise_creation_failure(exc, "sandbox creation")
             # The timeout counts from when the sandbox is usable, as with E2B.
             now = utcnow()
             rec.started_at = now

@@ -25,9 +25,15 @@ from typing import Any
 
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.ids import new_sandbox_id
-from agentenv.orchestrator.service import CLIENT_ID, Orchestrator, OrchestratorError, utcnow
+from agentenv.orchestrator.service import (
+    CLIENT_ID,
+    Orchestrator,
+    OrchestratorError,
+    raise_creation_failure,
+    utcnow,
+)
 from agentenv.orchestrator.store import SandboxRecord
-from agentenv.runtime.base import RuntimeError_, SandboxSpec, TemplateImage
+from agentenv.runtime.base import SandboxSpec, TemplateImage
 from agentenv.storage import snapshots as storage
 from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
 
@@ -287,14 +293,7 @@ class SnapshotService:
                 await self.orch._init_envd(rec)
             except BaseException as exc:
                 await self.orch._abort_create(rec, runtime, exc)
-                if isinstance(exc, RuntimeError_):
-                    message = f"restore from {row.snapshot_id} failed: {exc.message}"
-                    raise OrchestratorError(exc.code, message) from None
-                if isinstance(exc, OrchestratorError):
-                    raise
-                if isinstance(exc, Exception):
-                    raise OrchestratorError(500, f"restore from {row.snapshot_id} failed: {exc}") from exc
-                raise
+                raise_creation_failure(exc, f"restore from {row.snapshot_id}")
             now = utcnow()
             rec.started_at = now
             rec.end_at = now + dt.timedelta(seconds=timeout_seconds)
