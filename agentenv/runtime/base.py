@@ -8,6 +8,7 @@ The orchestrator owns sandbox records and lifecycle state; a runtime only turns 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -124,3 +125,23 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
         """Start a sandbox whose memory, processes and disk are those of ``source``."""
+
+
+class CpuSampler:
+    """Turns each sandbox's cumulative CPU-seconds counter into its utilisation between two calls,
+    the way every runtime reports ``cpu_used_pct``."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def percent(self, sandbox_id: str, cpu_seconds: float, vcpus: int) -> float | None:
+        """Percent of ``vcpus`` used since the previous call (0-100); None on the first call."""
+        now = time.monotonic()
+        last = self._last.get(sandbox_id)
+        self._last[sandbox_id] = (now, cpu_seconds)
+        if last is None or now <= last[0]:
+            return None
+        return max(0.0, min(100.0, 100.0 * (cpu_seconds - last[1]) / (now - last[0]) / max(vcpus, 1)))
+
+    def forget(self, sandbox_id: str) -> None:
+        self._last.pop(sandbox_id, None)

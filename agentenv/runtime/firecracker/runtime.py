@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,6 +41,7 @@ import psutil
 from agentenv.config import ENVD_PORT, Settings, get_settings
 from agentenv.runtime import network
 from agentenv.runtime.base import (
+    CpuSampler,
     Runtime,
     RuntimeError_,
     SandboxInstance,
@@ -166,7 +166,7 @@ class FirecrackerRuntime(Runtime):
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or get_settings()
         self.fc = FirecrackerSettings()
-        self._cpu_samples: dict[str, tuple[float, float]] = {}
+        self._cpu = CpuSampler()
         #: Waiters that reap exited VMMs (kept referenced so they are not garbage-collected).
         self._reapers: set[asyncio.Task[int]] = set()
 
@@ -332,7 +332,7 @@ class FirecrackerRuntime(Runtime):
         with contextlib.suppress(OSError):
             paths.layer_dir.rmdir()
         shutil.rmtree(paths.root, ignore_errors=True)
-        self._cpu_samples.pop(sandbox_id, None)
+        self._cpu.forget(sandbox_id)
 
     async def is_alive(self, instance: SandboxInstance) -> bool:
         return pid_alive(instance.state.get("pid"), "firecracker")
@@ -348,12 +348,7 @@ class FirecrackerRuntime(Runtime):
             rss = proc.memory_info().rss
         except (psutil.Error, TypeError) as exc:
             raise RuntimeError_(f"sandbox {instance.sandbox_id} is not running: {exc}", code=404) from exc
-        now = time.monotonic()
-        last = self._cpu_samples.get(instance.sandbox_id)
-        self._cpu_samples[instance.sandbox_id] = (now, cpu_total)
-        pct = 0.0
-        if last and now > last[0]:
-            pct = min(100.0, 100.0 * (cpu_total - last[1]) / (now - last[0]) / vcpus)
+        pct = self._cpu.percent(instance.sandbox_id, cpu_total, vcpus) or 0.0
         disk_used, disk_total = await asyncio.to_thread(_allocated_and_size, upper)
         return SandboxMetrics(vcpus, pct, min(rss, mem_total), mem_total, disk_used, disk_total)
 

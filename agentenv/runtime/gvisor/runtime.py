@@ -32,6 +32,7 @@ import httpx
 from agentenv.config import ENVD_PORT, Settings, get_settings
 from agentenv.runtime import network
 from agentenv.runtime.base import (
+    CpuSampler,
     Runtime,
     RuntimeError_,
     SandboxInstance,
@@ -106,7 +107,7 @@ class GvisorRuntime(Runtime):
         self.settings = settings or get_settings()
         self.runsc = self.settings.runsc_path
         self.runsc_root = self.settings.data_dir / "runsc"
-        self._cpu_samples: dict[str, tuple[float, int]] = {}
+        self._cpu = CpuSampler()
 
     # -- availability -------------------------------------------------------------------------
 
@@ -404,7 +405,7 @@ class GvisorRuntime(Runtime):
         await self._reap_processes(cid, self.paths(sandbox_id).root)
         await self.run_runsc("delete", "--force", cid, check=False, limit=60)
         await self._reap_processes(cid, self.paths(sandbox_id).root)
-        self._cpu_samples.pop(sandbox_id, None)
+        self._cpu.forget(sandbox_id)
         await asyncio.to_thread(self.unmount_rootfs, sandbox_id)
         await self.teardown_network(sandbox_id, net)
         remove_cgroups(sandbox_id)
@@ -429,16 +430,11 @@ class GvisorRuntime(Runtime):
         vcpus = int(instance.state.get("vcpus", 1))
         mem_total = int(instance.state.get("memory_mb", 512)) << 20
         mem_used = _read_int(CGROUP_V1_ROOT / "memory" / CGROUP_PARENT / sid / "memory.usage_in_bytes")
-        cpu_ns = _read_int(CGROUP_V1_ROOT / "cpuacct" / CGROUP_PARENT / sid / "cpuacct.usage")
-        now = time.monotonic()
-        previous = self._cpu_samples.get(sid)
-        if previous is None:  # first sample: measure over a short window
+        cpu_usage = CGROUP_V1_ROOT / "cpuacct" / CGROUP_PARENT / sid / "cpuacct.usage"
+        cpu_pct = self._cpu.percent(sid, _read_int(cpu_usage) / 1e9, vcpus)
+        if cpu_pct is None:  # first sample: measure over a short window
             await asyncio.sleep(0.1)
-            previous, now = (now, cpu_ns), time.monotonic()
-            cpu_ns = _read_int(CGROUP_V1_ROOT / "cpuacct" / CGROUP_PARENT / sid / "cpuacct.usage")
-        self._cpu_samples[sid] = (now, cpu_ns)
-        elapsed = max(now - previous[0], 1e-6)
-        cpu_pct = max(0.0, (cpu_ns - previous[1]) / 1e9 / elapsed / vcpus * 100)
+            cpu_pct = self._cpu.percent(sid, _read_int(cpu_usage) / 1e9, vcpus) or 0.0
         disk_used = await asyncio.to_thread(disk_usage, self.paths(sid).upper)
         return SandboxMetrics(
             cpu_count=vcpus, cpu_used_pct=round(cpu_pct, 2), mem_used=mem_used, mem_total=mem_total,

@@ -37,6 +37,7 @@ import psutil
 from agentenv.config import ENVD_PORT, Settings, get_settings
 from agentenv.runtime import network
 from agentenv.runtime.base import (
+    CpuSampler,
     Runtime,
     RuntimeError_,
     SandboxInstance,
@@ -194,7 +195,7 @@ class QemuRuntime(Runtime):
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or get_settings()
         self.qemu = self.settings.qemu_path
-        self._cpu_samples: dict[str, tuple[float, float]] = {}
+        self._cpu = CpuSampler()
 
     # -- availability -------------------------------------------------------------------------
 
@@ -361,7 +362,7 @@ class QemuRuntime(Runtime):
         with contextlib.suppress(OSError):
             paths.upper.parent.rmdir()
         shutil.rmtree(paths.root, ignore_errors=True)
-        self._cpu_samples.pop(sandbox_id, None)
+        self._cpu.forget(sandbox_id)
 
     async def is_alive(self, instance: SandboxInstance) -> bool:
         return pid_alive(instance.state.get("pid"), "qemu")
@@ -378,12 +379,7 @@ class QemuRuntime(Runtime):
             mem_total = int(proc.cmdline()[proc.cmdline().index("-m") + 1]) << 20
         except (psutil.Error, ValueError, IndexError) as exc:
             raise RuntimeError_(f"sandbox {instance.sandbox_id} is not running: {exc}", code=404) from exc
-        now = time.monotonic()
-        last = self._cpu_samples.get(instance.sandbox_id)
-        self._cpu_samples[instance.sandbox_id] = (now, cpu_total)
-        pct = 0.0
-        if last and now > last[0]:
-            pct = min(100.0, 100.0 * (cpu_total - last[1]) / (now - last[0]) / vcpus)
+        pct = self._cpu.percent(instance.sandbox_id, cpu_total, vcpus) or 0.0
         try:
             st = await asyncio.to_thread(os.stat, upper)
             disk_used, disk_total = st.st_blocks * 512, st.st_size
