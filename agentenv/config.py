@@ -40,6 +40,15 @@ class Settings(BaseSettings):
     templates_path: Path | None = None
     #: Largest request body the envd proxy forwards (uploads); bigger ones get 413.
     max_upload_bytes: int = 1 << 30
+    #: Templates are snapshots: the first create of a template also boots one sandbox of it in
+    #: the background and snapshots it with envd running; later creates restore that snapshot.
+    template_snapshots: bool = True
+    #: Templates whose snapshot is made at start-up and kept in a warm pool of restored sandboxes.
+    warm_pool_templates: list[str] = ["base"]
+    #: Warm pool watermarks: a claim that leaves fewer than ``low`` ready sandboxes refills the
+    #: pool up to ``high``. ``high = 0`` turns pooling off.
+    warm_pool_low: int = 1
+    warm_pool_high: int = 2
 
     @property
     def db_path(self) -> Path:

@@ -74,7 +74,11 @@ def main() -> None:
                     raise
                 print(f"bench: {name} benchmark not present, skipped")
                 continue
-            results[name] = module.run(server.url, server.api_key, args.runs)
+            if name == "lifecycle":
+                results[name] = module.run(server.url, server.api_key, args.runs,
+                                           server.data_dir / "server.log")
+            else:
+                results[name] = module.run(server.url, server.api_key, args.runs)
             write_result(name, results[name])
 
     # The summary covers every recorded benchmark, also those not re-run this time.

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.harness import stats, write_result
@@ -29,21 +30,64 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def run(server_url: str, api_key: str, runs: int) -> dict[str, Any]:
+POOLED = " ready in "
+
+
+def _wait_pool(server_log: Path | None, ready_lines: int, limit: float = 60.0) -> None:
+    """Wait until the server logged ``ready_lines`` warm-pool sandboxes in all."""
+    if server_log is None:
+        return
+    deadline = time.monotonic() + limit
+    while server_log.read_text(errors="replace").count(POOLED) < ready_lines:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the warm pool did not refill within 60 s")
+        time.sleep(0.05)
+
+
+def _cold_baseline(runs: int) -> list[float]:
+    """Cold create → first command on a server without template snapshots (a real boot)."""
+    from e2b import Sandbox
+
+    from bench.harness import serve
+
+    samples = []
+    with serve(extra_env={"AGENTENV_TEMPLATE_SNAPSHOTS": "false"}) as cold:
+        opts = _sdk(cold.url, cold.api_key)
+        for _ in range(runs):
+            start = time.perf_counter()
+            sbx = Sandbox.create("base", timeout=300, **opts)  # type: ignore[arg-type]
+            sbx.commands.run("true")
+            samples.append(time.perf_counter() - start)
+            sbx.kill()
+    return samples
+
+
+def run(server_url: str, api_key: str, runs: int, server_log: Path | None = None) -> dict[str, Any]:
+    """``server_log``: the server's log file, to wait for its warm pool between pooled creates."""
     from e2b import Sandbox
 
     opts = _sdk(server_url, api_key)
     samples: dict[str, list[float]] = {
-        "cold_create_to_first_command": [], "create_from_snapshot_to_first_command": [],
-        "pause": [], "resume_to_first_command": [], "snapshot_after_100mib_write": [],
-        "fork16_to_all_answering": [],
+        "cold_create_to_first_command": _cold_baseline(runs),
+        "template_create_warm_pool_to_first_command": [], "template_create_to_first_command": [],
+        "create_from_snapshot_to_first_command": [], "pause": [], "resume_to_first_command": [],
+        "snapshot_after_100mib_write": [], "fork16_to_all_answering": [],
     }
     errors: list[str] = []
+    pooled = 0
 
-    def cold() -> None:
+    # Creates from the template: with a log to watch, each one finds a full warm pool.
+    for _ in range(runs):
+        _wait_pool(server_log, pooled + 1)  # at least one ready sandbox not yet claimed
+        start = time.perf_counter()
         sbx = Sandbox.create("base", timeout=300, **opts)  # type: ignore[arg-type]
         sbx.commands.run("true")
+        key = "template_create_to_first_command"
+        if server_log is not None:
+            key = "template_create_warm_pool_to_first_command"
+        samples[key].append(time.perf_counter() - start)
         sbx.kill()
+        pooled += 1
 
     # A parent with a running process and a file: the state the lifecycle copies around.
     parent = Sandbox.create("base", timeout=3600, **opts)  # type: ignore[arg-type]
@@ -52,10 +96,6 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, Any]:
         parent.files.write("/home/user/state.txt", "bench")
         snap = parent.create_snapshot()
         for _ in range(runs):
-            start = time.perf_counter()
-            cold()
-            samples["cold_create_to_first_command"].append(time.perf_counter() - start)
-
             start = time.perf_counter()
             child = Sandbox.create(snap.snapshot_id, timeout=300, **opts)  # type: ignore[arg-type]
             child.commands.run("true")
@@ -89,13 +129,23 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, Any]:
         Sandbox.delete_snapshot(snap.snapshot_id, **opts)  # type: ignore[arg-type]
     finally:
         parent.kill()
+    summary = {name: stats(values) for name, values in samples.items() if values}
     return {
         "runs": runs,
-        "stats": {name: stats(values) for name, values in samples.items()},
+        "stats": summary,
+        "ratios_to_cold_p50": _ratios(summary),
         "errors": errors,
-        "notes": "runtime gvisor (runsc 2022-12, ptrace); fork runs limited by AGENTENV_BENCH_FORK_RUNS "
-                 "(default 3) because one fork 16 takes tens of seconds on this runsc",
+        "notes": "runtime gvisor (runsc 2022-12, ptrace); cold = a server without template snapshots; "
+                 "template creates claim a warm-pool sandbox (restored from the template's snapshot); "
+                 "fork runs limited by AGENTENV_BENCH_FORK_RUNS (default 3)",
     }
+
+
+def _ratios(summary: dict[str, dict[str, float | int]]) -> dict[str, float]:
+    """Each operation's p50 as a fraction of the cold create's p50 measured in the same run."""
+    cold = float(summary["cold_create_to_first_command"]["p50_ms"])
+    return {name: round(float(s["p50_ms"]) / cold, 4) for name, s in summary.items()
+            if name != "cold_create_to_first_command" and "p50_ms" in s}
 
 
 def main() -> None:
@@ -107,7 +157,7 @@ def main() -> None:
         result = run(os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"], runs)
     else:
         with serve() as server:
-            result = run(server.url, server.api_key, runs)
+            result = run(server.url, server.api_key, runs, server.data_dir / "server.log")
     path = write_result("lifecycle", result)
     print(json.dumps(result["stats"], indent=2), "\n->", path)
 

@@ -77,6 +77,8 @@ def start_server(data_dir: Path, *, port: int | None = None, api_key: str = "e2b
         "AGENTENV_TEMPLATES_PATH": str(SHARED_TEMPLATES),
         "AGENTENV_API_KEYS": json.dumps([api_key]),
         "AGENTENV_MAX_UPLOAD_BYTES": str(64 << 20),
+        # Warm pools keep restored sandboxes running: only the tests of pools turn them on.
+        "AGENTENV_WARM_POOL_HIGH": "0",
         **(extra_env or {}),
     }
     data_dir.mkdir(parents=True, exist_ok=True)

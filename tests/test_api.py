@@ -48,7 +48,8 @@ async def start_node(
     write_template(tmp / "shared" / "templates")
     port = free_port()
     settings = Settings(data_dir=tmp / "data", templates_path=tmp / "shared" / "templates",
-                        api_keys=[API_KEY], port=port, max_upload_bytes=MAX_UPLOAD)
+                        api_keys=[API_KEY], port=port, max_upload_bytes=MAX_UPLOAD,
+                        template_snapshots=False)
     app = create_app(settings, runtime=runtime)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.ensure_future(server.serve())

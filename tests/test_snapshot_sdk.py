@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sqlite3
 import tempfile
 import threading
@@ -216,3 +218,141 @@ def test_kill_9_mid_pause_keeps_committed_snapshots_and_leaks_nothing(private_se
     finally:
         kill_all_sandboxes(restarted)
         restarted.stop()
+
+
+# -- incremental snapshots, templates as snapshots, warm pools, auto-pause -----------------------
+
+
+def snapshot_layers(server: ServerProcess, snapshot_id: str) -> list[str]:
+    meta = json.loads((server.data_dir / "snapshots" / snapshot_id / "meta.json").read_text())
+    return list(meta["layers"])
+
+
+def layer_bytes(server: ServerProcess, layer_id: str) -> int:
+    root = server.data_dir / "disk-layers" / layer_id
+    return sum(p.lstat().st_blocks * 512 for p in root.rglob("*"))
+
+
+def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_server: ServerProcess) -> None:
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.commands.run("head -c 8388608 /dev/urandom > /home/user/big && echo one > /home/user/a.txt")
+        s1 = sbx.create_snapshot()
+        sbx.commands.run("rm /home/user/big && echo two > /home/user/b.txt")
+        s2 = sbx.create_snapshot()
+        sbx.files.write("/home/user/c.txt", "three")
+        s3 = sbx.create_snapshot()
+        chain1, chain2, chain3 = (snapshot_layers(agentenv_server, s.snapshot_id) for s in (s1, s2, s3))
+        # Each snapshot adds one layer on top of its parent's chain, holding only what changed.
+        assert chain2[1:] == chain1 and chain3[1:] == chain2
+        assert layer_bytes(agentenv_server, chain1[0]) >= 8 << 20
+        assert layer_bytes(agentenv_server, chain2[0]) < 1 << 20  # a whiteout and a small file
+        assert layer_bytes(agentenv_server, chain3[0]) < 1 << 20
+        # Deleting the ancestors never breaks a descendant: its layers stay while it needs them.
+        assert Sandbox.delete_snapshot(s1.snapshot_id) and Sandbox.delete_snapshot(s2.snapshot_id)
+        assert all((agentenv_server.data_dir / "disk-layers" / lid).is_dir() for lid in chain3)
+        child = Sandbox.create(s3.snapshot_id, timeout=120)
+        try:
+            listing = child.commands.run("cat /home/user/a.txt /home/user/b.txt /home/user/c.txt; echo; "
+                                         "test -e /home/user/big || echo gone").stdout
+            assert listing.split() == ["one", "two", "three", "gone"]
+            child.files.write("/home/user/c.txt", "child")  # into the child's own upper
+            assert sbx.files.read("/home/user/c.txt") == "three"
+        finally:
+            child.kill()
+    finally:
+        sbx.kill()
+    assert Sandbox.delete_snapshot(s3.snapshot_id)
+    # Nothing references the three layers any more: they are freed (in the background).
+    deadline = time.monotonic() + 15
+    while any((agentenv_server.data_dir / "disk-layers" / lid).exists() for lid in chain3[:3]):
+        assert time.monotonic() < deadline, "unused disk layers were not freed"
+        time.sleep(0.2)
+
+
+#: What the server logs for each sandbox it puts into a warm pool.
+POOLED = " ready in "
+
+
+def wait_for_log(server: ServerProcess, text: str, count: int = 1, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while server.log_tail(1 << 20).count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} x{count} not in the server log:\n{server.log_tail()}"
+        time.sleep(0.25)
+
+
+def sandbox_log_messages(server: ServerProcess, sandbox_id: str) -> str:
+    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3")
+    try:
+        rows = db.execute("SELECT message FROM sandbox_logs WHERE sandbox_id = ?", (sandbox_id,)).fetchall()
+    finally:
+        db.close()
+    return "\n".join(r[0] for r in rows)
+
+
+@pytest.fixture()
+def pooled_server() -> Iterator[ServerProcess]:
+    """A server that snapshots ``base`` at start-up and keeps 1-2 restored sandboxes ready."""
+    reason = base_template_missing()
+    if reason:
+        pytest.skip(reason)
+    with tempfile.TemporaryDirectory(prefix="agentenv-pool-") as tmp:
+        server = start_server(Path(tmp) / "data", extra_env={
+            "AGENTENV_WARM_POOL_TEMPLATES": '["base"]', "AGENTENV_WARM_POOL_LOW": "1",
+            "AGENTENV_WARM_POOL_HIGH": "2",
+        })
+        try:
+            yield server
+        finally:
+            kill_all_sandboxes(server)
+            server.stop()
+
+
+def test_template_create_claims_warm_pool_sandboxes(pooled_server: ServerProcess) -> None:
+    opts = sdk_opts(pooled_server)
+    wait_for_log(pooled_server, POOLED, count=2)  # two restored sandboxes ready
+    a = Sandbox.create("base", timeout=120, envs={"RUN": "a"}, **opts)
+    b = Sandbox.create("base", timeout=120, envs={"RUN": "b"}, secure=True, **opts)
+    try:
+        for sbx, run in ((a, "a"), (b, "b")):
+            assert "warm pool" in sandbox_log_messages(pooled_server, sbx.sandbox_id)
+            assert sbx.commands.run("echo $RUN").stdout.strip() == run  # the create's envs, via /init
+            assert Sandbox.get_info(sbx.sandbox_id, **opts).template_id == "base"
+        # Independent sandboxes although restored from one image.
+        a.files.write("/home/user/who", "a")
+        assert b.commands.run("test -e /home/user/who || echo absent").stdout.strip() == "absent"
+        # The secured one requires its own token: a request without it is refused.
+        assert b._envd_access_token
+        url = f"{pooled_server.url}/files?path=/etc/hostname"
+        refused = httpx.get(url, headers={"E2b-Sandbox-Id": b.sandbox_id, "E2b-Sandbox-Port": "49983"})
+        assert refused.status_code == 401, refused.text
+        # The pool refills behind the claims.
+        wait_for_log(pooled_server, POOLED, count=4)
+    finally:
+        a.kill()
+        b.kill()
+    for sbx in (a, b):
+        assert wait_no_host_resources(sbx.sandbox_id) == []
+
+
+def test_server_stop_leaves_no_pooled_sandbox(pooled_server: ServerProcess) -> None:
+    wait_for_log(pooled_server, POOLED, count=2)
+    pooled = re.findall(r"(\S+) ready in ", pooled_server.log_tail(1 << 20))
+    assert pooled
+    pooled_server.stop()
+    for sandbox_id in pooled:
+        assert wait_no_host_resources(sandbox_id) == []
+
+
+def test_auto_pause_on_timeout_then_resume(agentenv_server: ServerProcess) -> None:
+    sbx = Sandbox.create(timeout=3, lifecycle={"on_timeout": "pause"})
+    before = start_state(sbx)
+    deadline = time.monotonic() + 60
+    while Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
+        assert time.monotonic() < deadline, "the sandbox was not paused on its timeout"
+        time.sleep(0.5)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    try:
+        assert_state_continues(resumed, before)
+    finally:
+        resumed.kill()

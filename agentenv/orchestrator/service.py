@@ -15,6 +15,11 @@ Extension points for the snapshot/lifecycle code (``agentenv/orchestrator/snapsh
   lock when an ``autoPause`` sandbox times out; it must leave ``record`` paused (and saved).
 - :attr:`Orchestrator.resume_hook` ``(orchestrator, record, timeout) -> SandboxRecord``: called
   under the lock by ``connect`` for a paused sandbox; it must return the running record.
+- :attr:`Orchestrator.fast_create_hook` ``(request, template, runtime) -> SandboxRecord | None``:
+  asked first by every create from a template; it claims a warm-pool sandbox or restores the
+  template's snapshot, or returns None and the template is booted.
+- :attr:`Orchestrator.destroyed_hook` ``(record)``: after a sandbox was torn down (frees shared
+  disk layers it was the last user of).
 - :meth:`Orchestrator.locked`, :meth:`attach`, :meth:`detach`, ``store`` and ``runtime_for``
   give it what it needs to run transitions of its own.
 """
@@ -44,6 +49,7 @@ from agentenv.runtime.base import (
     SandboxInstance,
     SandboxMetrics,
     SandboxSpec,
+    TemplateImage,
 )
 
 log = logging.getLogger(__name__)
@@ -107,6 +113,11 @@ class MetricSample:
 
 PauseHook = Callable[["Orchestrator", SandboxRecord], Awaitable[None]]
 ResumeHook = Callable[["Orchestrator", SandboxRecord, int], Awaitable[SandboxRecord]]
+#: Creates the sandbox without booting (warm pool, template snapshot), or returns None.
+FastCreateHook = Callable[
+    [CreateRequest, "templates.TemplateInfo", Runtime], Awaitable["SandboxRecord | None"]
+]
+DestroyedHook = Callable[[SandboxRecord], Awaitable[None]]
 
 
 def utcnow() -> dt.datetime:
@@ -141,6 +152,8 @@ class Orchestrator:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
         self.pause_hook: PauseHook | None = None
         self.resume_hook: ResumeHook | None = None
+        self.fast_create_hook: FastCreateHook | None = None
+        self.destroyed_hook: DestroyedHook | None = None
 
     # -- start-up and shut-down ----------------------------------------------------------------
 
@@ -193,9 +206,16 @@ class Orchestrator:
     # -- helpers for transitions ---------------------------------------------------------------
 
     def runtime_for(self, rec: SandboxRecord) -> Runtime:
-        if rec.runtime not in self._runtimes:
-            self._runtimes[rec.runtime] = runtime_by_name(rec.runtime, self.settings)
-        return self._runtimes[rec.runtime]
+        return self.runtime_for_name(rec.runtime)
+
+    def runtime_for_name(self, name: str) -> Runtime:
+        if name not in self._runtimes:
+            self._runtimes[name] = runtime_by_name(name, self.settings)
+        return self._runtimes[name]
+
+    def runtime_for_template(self, image: TemplateImage) -> Runtime:
+        """The template's own runtime, else the node's."""
+        return self.runtime_for_name(image.runtime or self.runtime.name)
 
     @contextlib.asynccontextmanager
     async def locked(self, sandbox_id: str) -> AsyncIterator[SandboxRecord]:
@@ -260,10 +280,11 @@ class Orchestrator:
         except templates.TemplateNotFound as exc:
             raise OrchestratorError(404, f"template '{req.template_id}' not found: {exc}") from None
         image = info.image
-        runtime = self.runtime if image.runtime in (None, self.runtime.name) else runtime_by_name(
-            image.runtime, self.settings
-        )
-        self._runtimes.setdefault(runtime.name, runtime)
+        runtime = self.runtime_for_template(image)
+        if self.fast_create_hook is not None:
+            fast = await self.fast_create_hook(req, info, runtime)
+            if fast is not None:
+                return fast
         now = utcnow()
         rec = SandboxRecord(
             sandbox_id=new_sandbox_id(),
@@ -458,6 +479,8 @@ class Orchestrator:
         rec.end_at = min(rec.end_at, utcnow())
         await self.store.save(rec)
         await self.log_event(rec.sandbox_id, "info", f"sandbox killed: {reason}")
+        if self.destroyed_hook is not None:
+            self._spawn(self.destroyed_hook(rec))
 
     async def set_timeout(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
         """The sandbox now expires ``timeout_seconds`` from now (shorter or longer)."""

@@ -25,20 +25,24 @@ from typing import Any
 
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.ids import new_sandbox_id
+from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.service import (
     CLIENT_ID,
+    CreateRequest,
     Orchestrator,
     OrchestratorError,
     raise_creation_failure,
     utcnow,
 )
 from agentenv.orchestrator.store import SandboxRecord
-from agentenv.runtime.base import SandboxSpec, TemplateImage
+from agentenv.runtime.base import Runtime, SandboxInstance, SandboxSpec, TemplateImage
 from agentenv.storage import snapshots as storage
 from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
 
 log = logging.getLogger(__name__)
 
+#: Snapshot kind of a template's snapshot (internal: not listed, not a template of its own).
+TEMPLATE_KIND = "template"
 #: Parallel restores of a fork (each runs a runsc restore; more only queue on 2 cores).
 FORK_PARALLELISM = 4
 MAX_FORK_COUNT = 64
@@ -62,6 +66,16 @@ class SnapshotService:
     def __init__(self, orch: Orchestrator) -> None:
         self.orch = orch
         self._store: SnapshotStore | None = None
+        self._envd_hash: str | None = None
+        #: Template snapshot key -> (its row, the template, the runtime it restores with).
+        self._templates: dict[str, tuple[SnapshotRow, TemplateImage, Runtime]] = {}
+        self._building: dict[str, asyncio.Task[object]] = {}
+        self._gc_lock = asyncio.Lock()
+        settings = orch.settings
+        self.pool = WarmPool(
+            min(settings.warm_pool_low, settings.warm_pool_high), settings.warm_pool_high,
+            self._make_pooled, self._kill_pooled,
+        )
 
     async def store(self) -> SnapshotStore:
         if self._store is None:
@@ -81,6 +95,7 @@ class SnapshotService:
                 removed.append(row.snapshot_id)
         if removed:
             log.info("snapshot recovery removed %s", ", ".join(removed))
+        await self.collect_garbage()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -207,6 +222,7 @@ class SnapshotService:
         self.orch.attach(rec)
         await store.delete(row.snapshot_id)
         await self.orch.log_event(rec.sandbox_id, "info", "sandbox resumed", duration_ms=_ms(started))
+        self.orch._spawn(self.collect_garbage())
         return rec
 
     async def resume(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
@@ -244,6 +260,7 @@ class SnapshotService:
         if row is None:
             return False
         await (await self.store()).delete(row.snapshot_id)
+        await self.collect_garbage()
         return True
 
     async def create_from_snapshot(
@@ -261,27 +278,16 @@ class SnapshotService:
     async def _restore_new(
         self, row: SnapshotRow, *, timeout_seconds: int, metadata: dict[str, str] | None,
         envs: dict[str, str] | None, secure: bool, allow_internet_access: bool | None,
-        auto_pause: bool,
+        auto_pause: bool, template_id: str | None = None,
     ) -> SandboxRecord:
-        from agentenv.orchestrator.ids import new_access_token
-
         store = await self.store()
-        now = utcnow()
-        info = row.info
-        rec = SandboxRecord(
-            sandbox_id=new_sandbox_id(), template_id=row.snapshot_id, alias=row.name or row.snapshot_id,
-            client_id=CLIENT_ID, state="creating", started_at=now,
-            end_at=now + dt.timedelta(seconds=timeout_seconds),
-            cpu_count=int(info.get("cpu_count", 2)), memory_mb=int(info.get("memory_mb", 512)),
-            disk_mb=int(info.get("disk_mb", 4096)), runtime=row.runtime, envd_version=_envd_version(),
-            metadata=metadata if metadata is not None else dict(info.get("metadata") or {}),
-            envs={**dict(info.get("envs") or {}), **(envs or {})},
-            envd_access_token=info.get("envd_access_token") or (new_access_token() if secure else None),
-            allow_internet_access=allow_internet_access, auto_pause=auto_pause,
-            extra={"restored_from": row.snapshot_id},
+        rec = self._new_record(
+            row, new_sandbox_id(), timeout_seconds=timeout_seconds, metadata=metadata, envs=envs,
+            secure=secure, allow_internet_access=allow_internet_access, auto_pause=auto_pause,
+            template_id=template_id,
         )
         source_template = TemplateImage(
-            template_id=row.template_id, rootfs=_rootfs(info), vcpus=rec.cpu_count,
+            template_id=row.template_id, rootfs=_rootfs(row.info), vcpus=rec.cpu_count,
             memory_mb=rec.memory_mb, disk_mb=rec.disk_mb,
         )
         async with self.orch._locks.setdefault(rec.sandbox_id, asyncio.Lock()):
@@ -294,54 +300,282 @@ class SnapshotService:
             except BaseException as exc:
                 await self.orch._abort_create(rec, runtime, exc)
                 raise_creation_failure(exc, f"restore from {row.snapshot_id}")
-            now = utcnow()
-            rec.started_at = now
-            rec.end_at = now + dt.timedelta(seconds=timeout_seconds)
-            rec.state = "running"
-            await self.orch.store.save(rec)
-            self.orch.attach(rec)
+            await self._go_live(rec, timeout_seconds)
         await self.orch.log_event(rec.sandbox_id, "info", f"sandbox restored from {row.snapshot_id}",
                                   duration_ms=_ms(started))
         return rec
 
+    def _new_record(
+        self, row: SnapshotRow, sandbox_id: str, *, timeout_seconds: int, metadata: dict[str, str] | None,
+        envs: dict[str, str] | None, secure: bool, allow_internet_access: bool | None, auto_pause: bool,
+        template_id: str | None,
+    ) -> SandboxRecord:
+        """The registry row of a sandbox made from ``row``: a user snapshot's sandboxes carry its
+        id as their template; a template snapshot's carry the template's id."""
+        from agentenv.orchestrator.ids import new_access_token
+
+        now = utcnow()
+        info = row.info
+        return SandboxRecord(
+            sandbox_id=sandbox_id, template_id=template_id or row.snapshot_id,
+            alias=template_id or row.name or row.snapshot_id,
+            client_id=CLIENT_ID, state="creating", started_at=now,
+            end_at=now + dt.timedelta(seconds=timeout_seconds),
+            cpu_count=int(info.get("cpu_count", 2)), memory_mb=int(info.get("memory_mb", 512)),
+            disk_mb=int(info.get("disk_mb", 4096)), runtime=row.runtime, envd_version=_envd_version(),
+            metadata=metadata if metadata is not None else dict(info.get("metadata") or {}),
+            envs={**dict(info.get("envs") or {}), **(envs or {})},
+            envd_access_token=info.get("envd_access_token") or (new_access_token() if secure else None),
+            allow_internet_access=allow_internet_access, auto_pause=auto_pause,
+            extra={"restored_from": row.snapshot_id},
+        )
+
+    async def _go_live(self, rec: SandboxRecord, timeout_seconds: int) -> None:
+        """The timeout counts from when the sandbox is usable, as with a create."""
+        now = utcnow()
+        rec.started_at = now
+        rec.end_at = now + dt.timedelta(seconds=timeout_seconds)
+        rec.state = "running"
+        await self.orch.store.save(rec)
+        self.orch.attach(rec)
+
+    # -- templates are snapshots ---------------------------------------------------------------
+
+    def template_key(self, info: templates.TemplateInfo, runtime: Runtime) -> str:
+        """What a template snapshot is valid for: the runtime, the template build and envd."""
+        if self._envd_hash is None:
+            from agentenv.storage.envd_bundle import bundle_hash
+
+            self._envd_hash = bundle_hash()
+        return f"{runtime.name}:{info.image.template_id}:{info.build_id}:{self._envd_hash}"
+
+    async def _template_row(self, key: str) -> SnapshotRow | None:
+        rows = await (await self.store()).rows(kind=TEMPLATE_KIND)
+        return next((r for r in rows if r.name == key), None)
+
+    async def fast_create(
+        self, req: CreateRequest, info: templates.TemplateInfo, runtime: Runtime
+    ) -> SandboxRecord | None:
+        """A create from a template without booting: claim a warm-pool sandbox, else restore the
+        template's snapshot. None (boot it) while the template has no snapshot yet; making one
+        starts in the background."""
+        if not self.orch.settings.template_snapshots:
+            return None
+        key = self.template_key(info, runtime)
+        row = await self._template_row(key)
+        if row is None:
+            self.ensure_template_snapshot(info, runtime)
+            return None
+        self._templates[key] = (row, info.image, runtime)
+        if req.allow_internet_access is not False:
+            instance = self.pool.take(key)
+            if instance is not None:
+                claimed = await self._claim(instance, row, req, info.image.template_id)
+                if claimed is not None:
+                    return claimed
+        try:
+            return await self._restore_new(
+                row, timeout_seconds=req.timeout_seconds, metadata=req.metadata, envs=req.envs,
+                secure=req.secure, allow_internet_access=req.allow_internet_access,
+                auto_pause=req.auto_pause, template_id=info.image.template_id,
+            )
+        except OrchestratorError as exc:
+            if exc.code < 500:
+                raise
+            log.warning("restoring template snapshot %s failed (%s); booting instead", key, exc.message)
+            await self._drop_template(row)
+            return None
+
+    async def _claim(
+        self, instance: SandboxInstance, row: SnapshotRow, req: CreateRequest, template_id: str
+    ) -> SandboxRecord | None:
+        """Hand a pooled sandbox to a create: its row, then envd ``/init`` with the caller's env
+        vars and access token. None when the pooled sandbox turned out unusable (it is removed)."""
+        rec = self._new_record(
+            row, instance.sandbox_id, timeout_seconds=req.timeout_seconds, metadata=req.metadata,
+            envs=req.envs, secure=req.secure, allow_internet_access=req.allow_internet_access,
+            auto_pause=req.auto_pause, template_id=template_id,
+        )
+        rec.instance = instance
+        rec.extra["warm_pool"] = True
+        started = time.monotonic()
+        async with self.orch._locks.setdefault(rec.sandbox_id, asyncio.Lock()):
+            await self.orch.store.insert(rec)
+            try:
+                await self.orch._init_envd(rec)
+            except Exception as exc:
+                await self.orch._abort_create(rec, self.orch.runtime_for(rec), exc)
+                return None
+            await self._go_live(rec, req.timeout_seconds)
+        await self.orch.log_event(rec.sandbox_id, "info", "sandbox created from the warm pool",
+                                  template=template_id, duration_ms=_ms(started))
+        return rec
+
+    def ensure_template_snapshot(self, info: templates.TemplateInfo, runtime: Runtime) -> None:
+        """Make the template's snapshot in the background, once (no-op while one is made)."""
+        key = self.template_key(info, runtime)
+        task = self._building.get(key)
+        if task is None or task.done():
+            self._building[key] = self.orch._spawn(self._build_template_snapshot(key, info, runtime))
+
+    async def _build_template_snapshot(
+        self, key: str, info: templates.TemplateInfo, runtime: Runtime
+    ) -> None:
+        try:
+            row = await self._take_template_snapshot(key, info.image, runtime)
+        except Exception:
+            log.exception("making the snapshot of template %s failed", key)
+            return
+        self._templates[key] = (row, info.image, runtime)
+        store = await self.store()
+        for old in await store.rows(kind=TEMPLATE_KIND):
+            if old.template_id == row.template_id and old.runtime == row.runtime and old.name != key:
+                await self._drop_template(old)
+        if info.image.template_id in self.orch.settings.warm_pool_templates:
+            self.pool.fill(key)
+
+    async def _take_template_snapshot(self, key: str, image: TemplateImage, runtime: Runtime) -> SnapshotRow:
+        """Boot a sandbox of the template, snapshot it with envd answering, remove it. The
+        sandbox has no registry row: a crash meanwhile leaves an orphan that recovery removes."""
+        store = await self.store()
+        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
+        started = time.monotonic()
+        instance = await runtime.create(spec)
+        try:
+            snapshot_id = new_snapshot_id()
+            temp = storage.temp_ref(self.orch.settings.data_dir, snapshot_id)
+            try:
+                await runtime.snapshot(instance, temp, stop=True)
+                await asyncio.to_thread(storage.commit_dir, self.orch.settings.data_dir, temp)
+            except BaseException:
+                await asyncio.to_thread(storage.remove_dir, temp.path)
+                raise
+            row = SnapshotRow(
+                snapshot_id=snapshot_id, kind=TEMPLATE_KIND, source_sandbox_id=spec.sandbox_id,
+                runtime=runtime.name, template_id=image.template_id, created_at=utcnow(), name=key,
+                info={
+                    "template_rootfs": str(image.rootfs), "cpu_count": image.vcpus,
+                    "memory_mb": image.memory_mb, "disk_mb": image.disk_mb, "duration_ms": _ms(started),
+                },
+            )
+            await store.add(row)
+        finally:
+            await runtime.kill(instance)
+        log.info("template snapshot %s of %s made in %s ms", snapshot_id, key, _ms(started))
+        return row
+
+    async def _drop_template(self, row: SnapshotRow) -> None:
+        if row.name:
+            self._templates.pop(row.name, None)
+            await self.pool.drop(row.name)
+        await (await self.store()).delete(row.snapshot_id)
+        await self.collect_garbage()
+
+    async def _make_pooled(self, key: str) -> SandboxInstance:
+        """One warm-pool sandbox: a restore of the template's snapshot, with no env vars or token
+        (a claim's ``/init`` sets them)."""
+        row, image, runtime = self._templates[key]
+        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
+        return await runtime.restore(spec, (await self.store()).ref(row))
+
+    async def _kill_pooled(self, instance: SandboxInstance) -> None:
+        await self.orch.runtime_for_name(instance.runtime).kill(instance)
+
+    async def warm_up(self) -> None:
+        """At start-up: snapshot and pool the templates named in ``warm_pool_templates``."""
+        settings = self.orch.settings
+        if not settings.template_snapshots:
+            return
+        for template_id in settings.warm_pool_templates:
+            try:
+                info = templates.load(template_id, settings)
+            except templates.TemplateNotFound:
+                log.info("warm pool: template %s is not built; nothing to pool", template_id)
+                continue
+            runtime = self.orch.runtime_for_template(info.image)
+            key = self.template_key(info, runtime)
+            row = await self._template_row(key)
+            if row is None:
+                self.ensure_template_snapshot(info, runtime)
+            else:
+                self._templates[key] = (row, info.image, runtime)
+                self.pool.fill(key)
+
+    # -- shared disk layers --------------------------------------------------------------------
+
+    async def collect_garbage(self) -> None:
+        """Have every runtime free the disk layers no snapshot and no sandbox uses any more."""
+        async with self._gc_lock:
+            rows = await (await self.store()).rows()
+            store = await self.store()
+            for runtime in list(self.orch._runtimes.values()):
+                live = [store.ref(r) for r in rows if r.runtime == runtime.name]
+                try:
+                    await runtime.collect_garbage(live)
+                except Exception:
+                    log.exception("%s: collecting unused disk layers failed", runtime.name)
+
     # -- fork ----------------------------------------------------------------------------------
 
     async def fork(self, sandbox_id: str, count: int, timeout_seconds: int) -> list[ForkOutcome]:
+        """``count`` independent children with the parent's memory, processes and disk.
+
+        The parent is checkpointed and stopped once; then it is restored in place *alongside*
+        its children (it is just one more restore of the same image), rather than before them."""
         if not 1 <= count <= MAX_FORK_COUNT:
             raise OrchestratorError(400, f"count must be between 1 and {MAX_FORK_COUNT}")
+        children: list[asyncio.Future[ForkOutcome]] = []
         async with self.orch.locked(sandbox_id) as rec:
             if rec.state != "running" or rec.instance is None:
                 raise OrchestratorError(409, f"sandbox {sandbox_id} is {rec.state}, not running")
             self.orch.detach(sandbox_id)
             try:
-                row = await self._take(rec, "fork", stop=False)
+                row = await self._take(rec, "fork", stop=True)
             except Exception as exc:
                 await self._after_failed_snapshot(rec, exc)
                 raise OrchestratorError(500, f"fork of {sandbox_id} failed: {exc}") from exc
-            self.orch.attach(rec)
-            parent = rec
-        gate = asyncio.Semaphore(FORK_PARALLELISM)
-
-        async def one() -> ForkOutcome:
-            async with gate:
-                try:
-                    child = await self._restore_new(
-                        row, timeout_seconds=timeout_seconds, metadata=dict(parent.metadata),
-                        envs=None, secure=parent.envd_access_token is not None,
-                        allow_internet_access=parent.allow_internet_access, auto_pause=False,
-                    )
-                    return ForkOutcome(child, None)
-                except OrchestratorError as exc:
-                    return ForkOutcome(None, exc)
-                except Exception as exc:
-                    return ForkOutcome(None, OrchestratorError(500, str(exc)))
-
+            gate = asyncio.Semaphore(FORK_PARALLELISM)
+            children = [asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds))
+                        for _ in range(count)]
+            await asyncio.shield(self._back_after_fork(rec, row))
         try:
-            outcomes = await asyncio.shield(asyncio.gather(*(one() for _ in range(count))))
+            outcomes = await asyncio.shield(asyncio.gather(*children))
         finally:
-            # Children copied the disk layer and runsc read the memory image: it is not needed.
+            # Children stand on the snapshot's disk layers (they hold them) and runsc read the
+            # memory image: the snapshot itself is not needed any more.
             await (await self.store()).delete(row.snapshot_id)
+            await self.collect_garbage()
         return list(outcomes)
+
+    async def _back_after_fork(self, rec: SandboxRecord, row: SnapshotRow) -> None:
+        """Restore the forked parent in place (same id, address and network); a parent that
+        cannot come back is destroyed, its children live on."""
+        store = await self.store()
+        try:
+            rec.instance = await self.orch.runtime_for(rec).restore(
+                self._spec(rec, self._template(rec, row.info)), store.ref(row)
+            )
+        except Exception as exc:
+            await self.orch._destroy(rec, reason=f"restoring the parent after its fork failed: {exc}")
+            return
+        await self.orch.store.save(rec)
+        self.orch.attach(rec)
+
+    async def _fork_child(
+        self, row: SnapshotRow, parent: SandboxRecord, gate: asyncio.Semaphore, timeout_seconds: int
+    ) -> ForkOutcome:
+        async with gate:
+            try:
+                child = await self._restore_new(
+                    row, timeout_seconds=timeout_seconds, metadata=dict(parent.metadata),
+                    envs=None, secure=parent.envd_access_token is not None,
+                    allow_internet_access=parent.allow_internet_access, auto_pause=False,
+                )
+                return ForkOutcome(child, None)
+            except OrchestratorError as exc:
+                return ForkOutcome(None, exc)
+            except Exception as exc:
+                return ForkOutcome(None, OrchestratorError(500, str(exc)))
 
 
 def _rootfs(info: dict[str, Any]) -> Any:
@@ -381,15 +615,27 @@ def install(orch: Orchestrator) -> None:
     async def resume_hook(o: Orchestrator, rec: SandboxRecord, seconds: int) -> SandboxRecord:
         return await service.resume_locked(rec, seconds)
 
+    async def destroyed_hook(rec: SandboxRecord) -> None:
+        await service.collect_garbage()
+
     orch.pause_hook = pause_hook
     orch.resume_hook = resume_hook
+    orch.fast_create_hook = service.fast_create
+    orch.destroyed_hook = destroyed_hook
     original_start = orch.start
+    original_close = orch.close
 
     async def start() -> None:
         await original_start()
         await service.startup()
+        await service.warm_up()
+
+    async def close() -> None:
+        await service.pool.close()
+        await original_close()
 
     orch.start = start  # type: ignore[method-assign]
+    orch.close = close  # type: ignore[method-assign]
 
 
 def service_of(orch: Orchestrator) -> SnapshotService:

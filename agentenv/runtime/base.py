@@ -126,6 +126,12 @@ class Runtime(abc.ABC):
     async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
         """Start a sandbox whose memory, processes and disk are those of ``source``."""
 
+    async def collect_garbage(self, live_snapshots: list[SnapshotRef]) -> list[str]:
+        """Free shared disk layers that neither a sandbox of this runtime nor one of
+        ``live_snapshots`` (every committed snapshot of this runtime) still uses; return what was
+        freed. Runtimes whose snapshots share nothing have nothing to do."""
+        return []
+
 
 class CpuSampler:
     """Turns each sandbox's cumulative CPU-seconds counter into its utilisation between two calls,

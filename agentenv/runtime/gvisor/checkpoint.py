@@ -3,8 +3,15 @@
 A snapshot directory (``SnapshotRef.path``) holds::
 
     memory/checkpoint.img   the sentry's state file (kernel, processes, page cache, netstack)
-    upper/                  copy of the sandbox's overlay upper layer at the checkpoint instant
-    meta.json               what a restore needs: the network the netstack was saved with, ...
+    meta.json               what a restore needs: the network the netstack was saved with, the
+                            chain of disk layers (newest first) the sandbox's root stood on, ...
+
+The disk is incremental: at the checkpoint the sandbox's overlay upper (what it wrote since its
+previous snapshot) is sealed into a new read-only layer of the runtime's layer store and the
+sandbox carries on over it with an empty upper. A snapshot only names its chain; every sandbox
+made from it mounts that chain under an upper of its own, so creating one copies nothing, and a
+layer is freed only once no snapshot and no sandbox names it (deleting a snapshot never breaks
+its descendants).
 
 Why this shape (see docs/SNAPSHOTS.md for the numbers):
 
@@ -18,10 +25,8 @@ Why this shape (see docs/SNAPSHOTS.md for the numbers):
 * ``runsc checkpoint`` always stops the sandbox on this runsc (``--leave-running`` is a
   checkpoint followed by an internal restore that fails the root-netns check, see
   :meth:`GvisorRuntime.hide_proc_sys_net`). For ``stop=False`` we do the same explicitly:
-  checkpoint, copy the disk layer while nothing runs (so memory and disk agree), restore the
+  checkpoint, seal the disk layer while nothing runs (so memory and disk agree), restore the
   parent in place.
-* The upper layer is copied with ``cp --reflink=auto``: block sharing on XFS/btrfs, a plain copy
-  on ext4.
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentenv.config import ENVD_PORT
-from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, SnapshotRef
+from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.network import SandboxNetwork
 
 if TYPE_CHECKING:
     from agentenv.runtime.gvisor.runtime import GvisorRuntime
+
+from agentenv.runtime.gvisor.runtime import write_json
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +178,23 @@ async def restore_container(
         )
 
 
-def _write_meta(dest: Path, instance: SandboxInstance) -> None:
+#: Deepest chain of snapshot layers a sandbox stands on before the oldest ones are squashed into
+#: one (every file lookup that misses walks the whole chain; overlayfs allows far more).
+MAX_CHAIN = 16
+#: How many of the oldest layers one squash merges.
+SQUASH_COUNT = MAX_CHAIN // 2
+
+
+def _write_meta(dest: Path, instance: SandboxInstance, layers: list[str]) -> None:
     meta = {
-        "format": 1,
+        "format": 2,
         "runtime": "gvisor",
         "sandbox_id": instance.sandbox_id,
         "network": instance.state.get("network"),
         "template_id": instance.state.get("template_id"),
         "template_rootfs": instance.state.get("template_rootfs"),
         "platform": instance.state.get("platform"),
+        "layers": layers,
         "created_at": time.time(),
     }
     tmp = dest / (META_FILE + ".tmp")
@@ -187,11 +202,47 @@ def _write_meta(dest: Path, instance: SandboxInstance) -> None:
     os.replace(tmp, dest / META_FILE)
 
 
+def snapshot_layers(path: Path) -> list[str]:
+    """The disk layers (newest first) a snapshot directory's sandbox stood on."""
+    try:
+        return [str(lid) for lid in read_meta(path).get("layers") or []]
+    except (OSError, ValueError):
+        return []
+
+
+async def seal_upper(runtime: GvisorRuntime, sandbox_id: str) -> list[str]:
+    """Turn the stopped sandbox's upper layer into a shared read-only snapshot layer and give the
+    sandbox a fresh, empty upper above it. Returns the sandbox's new chain (newest first).
+
+    This is what makes snapshots incremental: the new layer holds exactly what the sandbox wrote
+    since its previous snapshot (or since it was made), taken by one rename, however much it is.
+    A chain deeper than :data:`MAX_CHAIN` gets its oldest layers squashed into one."""
+    paths = runtime.paths(sandbox_id)
+    await asyncio.to_thread(runtime.unmount_rootfs, sandbox_id)
+    async with runtime.layer_lock:
+        new_layer = await asyncio.to_thread(runtime.layers.adopt, paths.upper)
+        chain = [new_layer, *runtime.sandbox_layers(sandbox_id)]
+        if len(chain) > MAX_CHAIN:
+            oldest = chain[-SQUASH_COUNT:]
+            squashed = await asyncio.to_thread(runtime.layers.squash, oldest)
+            chain = [*chain[:-SQUASH_COUNT], squashed]
+        write_json(paths.layers_file, chain)
+    await asyncio.to_thread(_fresh_dirs, paths.upper, paths.work)
+    return chain
+
+
+def _fresh_dirs(*dirs: Path) -> None:
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+
+
 async def snapshot(runtime: GvisorRuntime, instance: SandboxInstance, dest: SnapshotRef, stop: bool) -> None:
-    """Checkpoint ``instance`` into ``dest.path`` (memory image + disk layer + meta).
+    """Checkpoint ``instance`` into ``dest.path``: memory image, meta, and the sandbox's disk as a
+    chain of shared layers (its upper sealed into a new one, see :func:`seal_upper`).
 
     ``stop``: leave the sandbox stopped, its network (slot, netns) and scratch directory kept
-    for a later resume; otherwise restore it in place so it keeps running."""
+    for a later resume; otherwise remount and restore it in place so it keeps running."""
     sid = instance.sandbox_id
     dest.path.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -199,15 +250,15 @@ async def snapshot(runtime: GvisorRuntime, instance: SandboxInstance, dest: Snap
     await checkpoint_container(runtime, instance, dest.path / MEMORY_DIR)
     timings["checkpoint_ms"] = _ms(t)
     t = time.monotonic()
-    await copy_tree(runtime.paths(sid).upper, dest.path / UPPER_DIR)
-    timings["disk_copy_ms"] = _ms(t)
-    _write_meta(dest.path, instance)
-    if stop:
-        # The stopped sandbox keeps its mount and network: resume restores into both.
-        await asyncio.to_thread(runtime.unmount_rootfs, sid)
-    else:
+    chain = await seal_upper(runtime, sid)
+    instance.state["layers"] = chain
+    _write_meta(dest.path, instance, chain)
+    timings["disk_seal_ms"] = _ms(t)
+    if not stop:
         t = time.monotonic()
         try:
+            template = Path(str(instance.state["template_rootfs"]))
+            await asyncio.to_thread(runtime.mount_rootfs, sid, _template_of(instance, template), chain)
             net = SandboxNetwork.from_state(instance.state["network"])
             await restore_container(runtime, sid, dest.path / MEMORY_DIR, net)
             await runtime.wait_for_envd(sid, instance.envd_url, limit=30)
@@ -215,7 +266,32 @@ async def snapshot(runtime: GvisorRuntime, instance: SandboxInstance, dest: Snap
             log.exception("sandbox %s did not come back after its snapshot", sid)
             raise
         timings["parent_restore_ms"] = _ms(t)
-    log.info("gvisor snapshot of %s (stop=%s): %s", sid, stop, timings)
+    log.info("gvisor snapshot of %s (stop=%s, %d layers): %s", sid, stop, len(chain), timings)
+
+
+def _template_of(instance: SandboxInstance, rootfs: Path) -> TemplateImage:
+    return TemplateImage(template_id=str(instance.state.get("template_id", "")), rootfs=rootfs)
+
+
+async def _mount_from_snapshot(
+    runtime: GvisorRuntime, spec: SandboxSpec, source: SnapshotRef, meta: dict[str, Any], resume: bool
+) -> Path:
+    """Mount the sandbox's root on the snapshot's layers with a fresh upper. Snapshots written
+    before layers existed (format 1) carry a whole upper directory: it is copied instead."""
+    sid = spec.sandbox_id
+    paths = runtime.paths(sid)
+    if "layers" not in meta:
+        if resume:
+            await asyncio.to_thread(runtime.unmount_rootfs, sid)
+            await asyncio.to_thread(_fresh_dirs, paths.upper, paths.work)
+            shutil.rmtree(paths.upper)
+        await copy_tree(source.path / UPPER_DIR, paths.upper)
+        return await asyncio.to_thread(runtime.mount_rootfs, sid, spec.template, [])
+    if resume:
+        await asyncio.to_thread(runtime.unmount_rootfs, sid)
+        await asyncio.to_thread(_fresh_dirs, paths.upper, paths.work)
+    async with runtime.layer_lock:
+        return await asyncio.to_thread(runtime.mount_rootfs, sid, spec.template, list(meta["layers"]))
 
 
 async def restore(runtime: GvisorRuntime, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
@@ -241,19 +317,11 @@ async def restore(runtime: GvisorRuntime, spec: SandboxSpec, source: SnapshotRef
             net = await runtime.setup_network(spec)
         timings["network_ms"] = _ms(t)
         t = time.monotonic()
-        if resume and paths.upper.is_dir():
-            # The layer was unmounted while paused but is still the sandbox's own, unchanged.
-            rootfs = await asyncio.to_thread(runtime.mount_rootfs, sid, spec.template)
-        else:
-            if resume:
-                shutil.rmtree(paths.root, ignore_errors=True)
-            paths.root.mkdir(parents=True, exist_ok=True)
-            staged = paths.root / "upper.restoring"
-            await copy_tree(source.path / UPPER_DIR, staged)
-            rootfs = await asyncio.to_thread(runtime.mount_rootfs, sid, spec.template, staged)
+        rootfs = await _mount_from_snapshot(runtime, spec, source, meta, resume)
         timings["disk_ms"] = _ms(t)
         runtime.write_oci_bundle(sid, runtime.oci_spec(spec, net, rootfs, envd_bundle))
         instance = runtime.instance_for(spec, net, envd_bundle)
+        instance.state["layers"] = runtime.sandbox_layers(sid)
         t = time.monotonic()
         await restore_container(runtime, sid, source.path / MEMORY_DIR, net)
         timings["runsc_restore_ms"] = _ms(t)

@@ -50,6 +50,7 @@ from agentenv.storage.envd_bundle import (
     envd_env,
     remove_stale_bundles,
 )
+from agentenv.storage.layers import LayerError, LayerStore, overlay_mount, overlay_unmount
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class SandboxPaths:
         return self.root / "bundle"
 
     @property
+    def layers_file(self) -> Path:
+        return self.root / "layers.json"
+
+    @property
     def envd_log(self) -> Path:
         return self.root / "envd.log"
 
@@ -108,6 +113,11 @@ class GvisorRuntime(Runtime):
         self.runsc = self.settings.runsc_path
         self.runsc_root = self.settings.data_dir / "runsc"
         self._cpu = CpuSampler()
+        #: Snapshot disk layers, shared read-only by snapshots and the sandboxes made from them.
+        self.layers = LayerStore(self.settings.data_dir / "disk-layers")
+        #: Held while a chain is mounted or layers are collected, so a collection never frees a
+        #: layer a restore is about to stand on.
+        self.layer_lock = asyncio.Lock()
 
     # -- availability -------------------------------------------------------------------------
 
@@ -201,39 +211,45 @@ class GvisorRuntime(Runtime):
             raise RuntimeError_(f"runsc {' '.join(args[:2])} failed: {text[-2000:]}")
         return proc.returncode or 0, text
 
-    def mount_rootfs(self, sandbox_id: str, template: TemplateImage, upper: Path | None = None) -> Path:
-        """Mount the sandbox's root view: the template rootfs under a writable upper layer.
+    def mount_rootfs(self, sandbox_id: str, template: TemplateImage, layers: list[str] | None = None) -> Path:
+        """Mount the sandbox's root view: its private upper over ``layers`` (snapshot disk layers
+        from the layer store, newest first) over the template rootfs (shared, read-only).
 
-        ``upper`` defaults to the sandbox's own (new, empty) upper; a restore passes the upper
-        copied from a snapshot (it is moved into place, so the snapshot must hand over a copy)."""
+        The chain is written to ``layers.json`` before the mount so that layer garbage
+        collection (:meth:`collect_garbage`) sees every layer a sandbox stands on."""
         paths = self.paths(sandbox_id)
         paths.root.mkdir(parents=True, exist_ok=True)
-        if upper is not None and upper != paths.upper:
-            if paths.upper.exists():
-                raise RuntimeError_(f"sandbox {sandbox_id} already has a disk layer")
-            os.rename(upper, paths.upper)
+        chain = list(layers or [])
+        missing = [lid for lid in chain if not self.layers.exists(lid)]
+        if missing:
+            raise RuntimeError_(
+                f"disk layers {', '.join(missing)} of sandbox {sandbox_id} are gone", code=410
+            )
+        write_json(paths.layers_file, chain)
         for d in (paths.upper, paths.work, paths.rootfs):
             d.mkdir(exist_ok=True)
         if not (template.rootfs / MOUNT_POINT.lstrip("/")).is_dir():
             (paths.upper / MOUNT_POINT.lstrip("/")).mkdir(exist_ok=True)
         if not os.path.ismount(paths.rootfs):
-            opts = f"lowerdir={template.rootfs},upperdir={paths.upper},workdir={paths.work}"
-            proc = subprocess.run(
-                ["mount", "-t", "overlay", "overlay", "-o", opts, str(paths.rootfs)],
-                capture_output=True, text=True,
-            )
-            if proc.returncode != 0:
+            lowers = [self.layers.path(lid) for lid in chain] + [template.rootfs]
+            try:
+                overlay_mount(paths.rootfs, lowers, paths.upper, paths.work)
+            except LayerError as exc:
                 raise RuntimeError_(
-                    f"mounting the root file system of sandbox {sandbox_id} failed: {proc.stderr.strip()}"
-                )
+                    f"mounting the root file system of sandbox {sandbox_id} failed: {exc}"
+                ) from None
         return paths.rootfs
 
+    def sandbox_layers(self, sandbox_id: str) -> list[str]:
+        """The snapshot layers the sandbox's root stands on (newest first)."""
+        try:
+            chain = json.loads(self.paths(sandbox_id).layers_file.read_text())
+        except (OSError, ValueError):
+            return []
+        return [str(lid) for lid in chain]
+
     def unmount_rootfs(self, sandbox_id: str) -> None:
-        rootfs = self.paths(sandbox_id).rootfs
-        if os.path.ismount(rootfs):
-            proc = subprocess.run(["umount", str(rootfs)], capture_output=True, text=True)
-            if proc.returncode != 0:  # still busy (a dying gofer): detach, it goes with it
-                subprocess.run(["umount", "-l", str(rootfs)], capture_output=True)
+        overlay_unmount(self.paths(sandbox_id).rootfs)
 
     def oci_spec(
         self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path
@@ -467,6 +483,20 @@ class GvisorRuntime(Runtime):
                 in_use |= {Path(m["source"]).name for m in mounts if m["destination"] == MOUNT_POINT}
         remove_stale_bundles(self.settings, in_use)
 
+    async def collect_garbage(self, live_snapshots: list[SnapshotRef]) -> list[str]:
+        checkpoint = importlib.import_module("agentenv.runtime.gvisor.checkpoint")
+        in_use: set[str] = set()
+        async with self.layer_lock:
+            for ref in live_snapshots:
+                in_use |= set(checkpoint.snapshot_layers(ref.path))
+            sandboxes = self.settings.data_dir / "sandboxes"
+            for sandbox_dir in sandboxes.iterdir() if sandboxes.is_dir() else []:
+                in_use |= set(self.sandbox_layers(sandbox_dir.name))
+            removed: list[str] = await asyncio.to_thread(self.layers.gc, in_use)
+        if removed:
+            log.info("freed disk layers %s", ", ".join(removed))
+        return removed
+
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
         checkpoint = importlib.import_module("agentenv.runtime.gvisor.checkpoint")
         await checkpoint.snapshot(self, instance, dest, stop)
@@ -518,6 +548,13 @@ def cgroup_exists(sandbox_id: str) -> list[Path]:
         return []
     return [h / CGROUP_PARENT / sandbox_id for h in CGROUP_V1_ROOT.iterdir()
             if (h / CGROUP_PARENT / sandbox_id).is_dir()]
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Replace ``path`` atomically with ``value`` as JSON."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def _read_int(path: Path) -> int:

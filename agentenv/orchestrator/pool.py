@@ -1,0 +1,119 @@
+"""Warm pools: sandboxes restored from a template's snapshot ahead of demand.
+
+A create from a template whose pool holds a sandbox only claims it (a registry row and envd's
+``/init`` with the caller's env vars and access token) instead of restoring or booting. Each
+pool has two watermarks: when a claim leaves fewer than ``low`` sandboxes, the pool is refilled,
+one restore at a time, up to ``high``. ``high = 0`` turns pooling off.
+
+Pooled sandboxes are runtime instances without a registry row, so a crashed server's start-up
+clean-up (``Runtime.cleanup_orphans``) removes them like any other leak; a clean shut-down kills
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from agentenv.runtime.base import SandboxInstance
+
+log = logging.getLogger(__name__)
+
+#: Makes one pooled sandbox for a pool key (a restore of that template's snapshot).
+Maker = Callable[[str], Awaitable[SandboxInstance]]
+#: Destroys a pooled sandbox that is not wanted any more.
+Killer = Callable[[SandboxInstance], Awaitable[None]]
+#: After a failed refill, wait this long before trying again (the failure is logged).
+RETRY_SECONDS = 5.0
+
+
+@dataclass
+class _Pool:
+    ready: list[SandboxInstance] = field(default_factory=list)
+    filler: asyncio.Task[None] | None = None
+    made: int = 0
+    claimed: int = 0
+    failures: int = 0
+
+
+class WarmPool:
+    def __init__(self, low: int, high: int, make: Maker, kill: Killer) -> None:
+        if not 0 <= low <= high:
+            raise ValueError(f"warm pool watermarks must satisfy 0 <= low <= high, got {low}, {high}")
+        self.low = low
+        self.high = high
+        self._make = make
+        self._kill = kill
+        self._pools: dict[str, _Pool] = {}
+        self._closed = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.high > 0
+
+    def take(self, key: str) -> SandboxInstance | None:
+        """A ready sandbox for ``key`` (removed from the pool), or None; refills below ``low``."""
+        pool = self._pools.setdefault(key, _Pool())
+        instance = pool.ready.pop(0) if pool.ready else None
+        if instance is not None:
+            pool.claimed += 1
+        if len(pool.ready) < self.low or not pool.ready:
+            self.fill(key)
+        return instance
+
+    def fill(self, key: str) -> None:
+        """Start filling ``key``'s pool up to ``high`` in the background (no-op if running)."""
+        if not self.enabled or self._closed:
+            return
+        pool = self._pools.setdefault(key, _Pool())
+        if pool.filler is None or pool.filler.done():
+            pool.filler = asyncio.create_task(self._fill(key, pool), name=f"warm-pool-{key}")
+
+    async def _fill(self, key: str, pool: _Pool) -> None:
+        while not self._closed and len(pool.ready) < self.high:
+            started = time.monotonic()
+            try:
+                instance = await self._make(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                pool.failures += 1
+                log.warning("warm pool %s: making a sandbox failed: %s", key, exc)
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            if self._closed:
+                await self._kill(instance)
+                return
+            pool.ready.append(instance)
+            pool.made += 1
+            log.info("warm pool %s: %s ready in %.0f ms (%d/%d)", key, instance.sandbox_id,
+                     (time.monotonic() - started) * 1000, len(pool.ready), self.high)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {
+            key: {"ready": len(p.ready), "made": p.made, "claimed": p.claimed, "failures": p.failures}
+            for key, p in self._pools.items()
+        }
+
+    async def drop(self, key: str) -> None:
+        """Kill every ready sandbox of ``key`` (its template snapshot is stale)."""
+        pool = self._pools.pop(key, None)
+        if pool is None:
+            return
+        if pool.filler is not None:
+            pool.filler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pool.filler
+        for instance in pool.ready:
+            with contextlib.suppress(Exception):
+                await self._kill(instance)
+
+    async def close(self) -> None:
+        """Stop refilling and kill every pooled sandbox."""
+        self._closed = True
+        for key in list(self._pools):
+            await self.drop(key)
