@@ -93,6 +93,17 @@ class ReflinkPool:
         """Make ``root`` reflink-capable (mounting or creating the pool if needed); return it."""
         if _is_mountpoint(self.root):
             return self.root
+        # Serialised across threads and processes: two first users at once (a create and the
+        # server's template warm-up) would both mount the new pool, and XFS refuses the second
+        # mount of the same file system ("wrong fs type").
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / ".layers.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._ensure_locked()
+
+    def _ensure_locked(self) -> Path:
+        if _is_mountpoint(self.root):
+            return self.root
         if self.pool_file.exists():
             self._mount()
             return self.root
