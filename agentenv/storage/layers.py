@@ -558,9 +558,9 @@ def overlay_unmount(target: Path, *, busy_timeout: float = 2.0) -> None:
     "lowerdir is in-use as upperdir/workdir of another mount" when it is next mounted)."""
     deadline = time.monotonic() + busy_timeout
     delay = 0.02
-    while os.path.ismount(target):
+    while _is_mountpoint(target):
         proc = _run(["umount", str(target)])
-        if proc.returncode == 0 or not os.path.ismount(target):
+        if proc.returncode == 0 or not _is_mountpoint(target):
             return
         if "busy" not in proc.stderr or time.monotonic() + delay > deadline:
             break
@@ -570,8 +570,15 @@ def overlay_unmount(target: Path, *, busy_timeout: float = 2.0) -> None:
         return
     log.warning("%s is busy (%s): unmounting it lazily", target, proc.stderr.strip())
     lazy = _run(["umount", "-l", str(target)])
-    if lazy.returncode != 0 and os.path.ismount(target):
+    if lazy.returncode != 0 and _is_mountpoint(target):
         raise LayerError(f"umount {target} failed: {proc.stderr.strip()}; lazily: {lazy.stderr.strip()}")
+
+
+def _is_mountpoint(path: Path) -> bool:
+    """From mountinfo: ``os.path.ismount`` misses bind mounts within one file system."""
+    wanted = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(_unescape_mountinfo(line.split(" ", 5)[4]) == wanted for line in f)
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
