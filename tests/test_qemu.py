@@ -4,7 +4,8 @@
 * the official e2b SDK through a real ``agentenv serve`` (AGENTENV_RUNTIME=qemu): command,
   file write + read, ``uname -r`` is the Debian cloud kernel of the pipeline, kill leaves nothing;
 * snapshot (QEMU migration to a file + reflinked upper drive) and restore into another sandbox
-  with the guest's memory state (same kernel boot id, same process) and disk preserved.
+  with the guest's memory state (same kernel boot id, same process) and disk preserved;
+* the lifecycle through the server with the SDK: pause/resume, snapshot -> new sandboxes, fork.
 
 TCG boots are slow (a python envd starting on an emulated CPU): each VM takes 1-3 minutes.
 """
@@ -16,14 +17,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import SHARED_TEMPLATES, unique_id
 from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
-from e2e_fixtures import start_server
+from e2e_fixtures import ServerProcess, kill_all_sandboxes, start_server
 from packaging.version import Version
 
 from agentenv.config import Settings
@@ -186,3 +189,119 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
         assert _host_leftovers(qemu_settings, restored_id) == {}
 
     asyncio.run(scenario())
+
+
+# -- lifecycle through the server: pause/resume, snapshots, fork -------------------------------
+
+#: A process whose state lives in guest memory; it writes by rename so a reader never sees a
+#: half-written file. 0.2 s steps: every step forks two processes on an emulated CPU.
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
+    "mv /tmp/counter.new /tmp/counter; sleep 0.2; done' >/dev/null 2>&1 &"
+)
+STATE_FILE = "/home/user/state.txt"
+
+
+def _counter(sbx: Sandbox) -> int:
+    return int(sbx.commands.run("cat /tmp/counter", timeout=120, request_timeout=120).stdout.strip())
+
+
+def _assert_state_continues(sbx: Sandbox, before: int, content: str = "parent-state") -> None:
+    """The file is there and the counter process came back with its memory and keeps counting."""
+    assert sbx.files.read(STATE_FILE, request_timeout=120) == content
+    first = _counter(sbx)
+    assert first >= before  # not restarted from 0
+    deadline = time.monotonic() + 60
+    while _counter(sbx) <= first:
+        assert time.monotonic() < deadline, "the counter process stopped"
+        time.sleep(0.5)
+
+
+def _slots(data_dir: Path) -> dict[str, str]:
+    """Network slots the server holds: slot file name -> sandbox id."""
+    return {p.name: p.read_text().strip() for p in (data_dir / "net").glob("slot-*")}
+
+
+def _pause_resume(parent: Sandbox, opts: dict[str, Any], before: int) -> Sandbox:
+    """Same sandbox, same memory: the counter goes on from where it was."""
+    assert parent.pause(request_timeout=VM_LIMIT) is True
+    assert Sandbox.get_info(parent.sandbox_id, **opts).state.value == "paused"
+    resumed = Sandbox.connect(parent.sandbox_id, timeout=900, **opts)
+    _assert_state_continues(resumed, before)
+    return resumed
+
+
+def _snapshot_children(parent: Sandbox, opts: dict[str, Any], before: int, ids: list[str]) -> str:
+    """The parent keeps running; two sandboxes made from its snapshot see its state and diverge."""
+    snap = parent.create_snapshot(request_timeout=VM_LIMIT)
+    children = [Sandbox.create(snap.snapshot_id, timeout=900, **opts) for _ in range(2)]
+    ids += [c.sandbox_id for c in children]
+    for child in children:
+        _assert_state_continues(child, before)
+    children[0].files.write(STATE_FILE, "child-0", request_timeout=120)
+    assert children[1].files.read(STATE_FILE, request_timeout=120) == "parent-state"
+    # A paused sandbox keeps its network for the resume: the kill at the end must free it too.
+    assert children[1].pause(request_timeout=VM_LIMIT) is True
+    return snap.snapshot_id
+
+
+def _fork_two(parent: Sandbox, before: int, ids: list[str]) -> None:
+    """Each child has the parent's state and diverges on its own; the parent keeps running."""
+    forked = parent.fork(count=2, timeout=900, request_timeout=VM_LIMIT)
+    kids = [k for k in forked if isinstance(k, Sandbox)]
+    ids += [k.sandbox_id for k in kids]
+    assert len(kids) == 2, [str(e) for e in forked if not isinstance(e, Sandbox)]
+    for i, kid in enumerate(kids):
+        _assert_state_continues(kid, before)
+        kid.files.write(STATE_FILE, f"kid-{i}", request_timeout=120)
+    for i, kid in enumerate(kids):
+        assert kid.files.read(STATE_FILE, request_timeout=120) == f"kid-{i}"
+    _assert_state_continues(parent, before)
+
+
+def _lifecycle(server: ServerProcess, ids: list[str]) -> tuple[str, dict[str, str]]:
+    """The whole scenario; returns the snapshot id and the network slots the sandboxes held."""
+    opts: dict[str, Any] = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url,
+                            "request_timeout": VM_LIMIT}
+    parent = Sandbox.create("base", timeout=900, **opts)
+    ids.append(parent.sandbox_id)
+    parent.files.write(STATE_FILE, "parent-state", request_timeout=120)
+    parent.commands.run(COUNTER, timeout=120, request_timeout=120)
+    time.sleep(1)
+    before = _counter(parent)
+    parent = _pause_resume(parent, opts, before)
+    snapshot_id = _snapshot_children(parent, opts, before, ids)
+    _fork_two(parent, before, ids)
+    slots = _slots(server.data_dir)
+    assert sorted(slots.values()) == sorted(ids)  # one each, the paused sandbox's too
+    for sandbox_id in ids:
+        Sandbox.kill(sandbox_id, **opts)
+    assert Sandbox.delete_snapshot(snapshot_id, **opts) is True
+    return snapshot_id, slots
+
+
+@pytest.mark.timeout(900)  # one cold TCG boot alone may take minutes on a loaded host
+def test_lifecycle_through_server(qemu_settings: Settings) -> None:
+    """Pause/resume, snapshot -> 2 sandboxes, fork 2, kill: the official SDK against
+    ``agentenv serve`` on the qemu runtime; then nothing of the sandboxes is left on the host.
+    Template snapshots and warm pools are off: they would boot a second VM in the background
+    (a minute of emulated CPU on 2 cores) and are not what this test is about."""
+    data = qemu_settings.data_dir / "lifecycle"
+    env = {"AGENTENV_RUNTIME": "qemu", "AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
+    ids: list[str] = []
+    try:
+        server = start_server(data, extra_env=env)
+        try:
+            snapshot_id, slots = _lifecycle(server, ids)
+        finally:
+            kill_all_sandboxes(server)
+            server.stop()
+        settings = Settings(data_dir=data)
+        for sandbox_id in ids:
+            assert _host_leftovers(settings, sandbox_id) == {}, sandbox_id
+        assert _slots(data) == {}
+        host_links = [f"aeh{name.removeprefix('slot-')}" for name in slots]
+        assert [link for link in host_links if Path(f"/sys/class/net/{link}").exists()] == []
+        assert not (data / "snapshots" / snapshot_id).exists()
+    finally:
+        ReflinkPool(data).destroy()
