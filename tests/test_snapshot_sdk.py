@@ -356,3 +356,34 @@ def test_auto_pause_on_timeout_then_resume(agentenv_server: ServerProcess) -> No
         assert_state_continues(resumed, before)
     finally:
         resumed.kill()
+
+
+def test_fork_64_on_one_node(agentenv_server: ServerProcess) -> None:
+    """The SDKs cap ``count`` at 20 per call; the API takes up to 100 (openapi.yml)."""
+    parent = Sandbox.create(timeout=600)
+    children: list[Sandbox] = []
+    try:
+        parent.files.write("/home/user/state.txt", "parent-state")
+        started = time.monotonic()
+        response = httpx.post(
+            f"{agentenv_server.url}/sandboxes/{parent.sandbox_id}/fork", json={"count": 64, "timeout": 600},
+            headers={"X-API-Key": agentenv_server.api_key}, timeout=900,
+        )
+        assert response.status_code == 201, response.text
+        results = response.json()
+        print(f"fork 64: {time.monotonic() - started:.1f} s")
+        assert len(results) == 64
+        assert [r["error"] for r in results if r.get("error")] == []
+        children = [Sandbox.connect(r["sandbox"]["sandboxID"], timeout=600) for r in results]
+        assert len({c.sandbox_id for c in children}) == 64
+        for i, child in enumerate(children):
+            assert child.commands.run(f"cat /home/user/state.txt; echo -{i} >> /home/user/state.txt").stdout \
+                == "parent-state"
+        assert parent.files.read("/home/user/state.txt") == "parent-state"
+        assert children[7].files.read("/home/user/state.txt") == "parent-state-7\n"
+    finally:
+        for child in children:
+            child.kill()
+        parent.kill()
+    for child in children:
+        assert wait_no_host_resources(child.sandbox_id) == []

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 TEMPLATE_KIND = "template"
 #: Parallel restores of a fork (each runs a runsc restore; more only queue on 2 cores).
 FORK_PARALLELISM = 4
-MAX_FORK_COUNT = 64
+#: The API's limit (openapi.yml: SandboxForkRequest.count maximum); the SDKs send at most 20.
+MAX_FORK_COUNT = 100
 
 
 def new_snapshot_id() -> str:

@@ -48,7 +48,7 @@ from agentenv.runtime.network import SandboxNetwork
 if TYPE_CHECKING:
     from agentenv.runtime.gvisor.runtime import GvisorRuntime
 
-from agentenv.runtime.gvisor.runtime import write_json
+from agentenv.runtime.gvisor.runtime import CONTAINER_PREFIX, write_json
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,9 @@ async def forget_stopped_container(runtime: GvisorRuntime, cid: str) -> None:
     ``runsc delete --force`` costs 1.3-1.6 s here even with nothing left to stop (it waits on
     the exited sandbox); the record is two files in the runsc root, and the sandbox/gofer
     processes are gone or get SIGKILLed by the reaper. The cgroup stays for the restore (a
-    kill removes it)."""
-    await runtime._reap_processes(cid)
+    kill removes it). The gofer is matched by its bundle inside the sandbox directory: it must
+    be gone too, or the root overlay stays busy and its upper cannot be sealed."""
+    await runtime._reap_processes(cid, runtime.paths(cid.removeprefix(CONTAINER_PREFIX)).root)
     for suffix in (".state", ".lock"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(runtime.runsc_root / f"{cid}_sandbox:{cid}{suffix}")
