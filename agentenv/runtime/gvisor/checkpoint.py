@@ -32,7 +32,6 @@ Why this shape (see docs/SNAPSHOTS.md for the numbers):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -138,9 +137,7 @@ async def forget_stopped_container(runtime: GvisorRuntime, cid: str) -> None:
     kill removes it). The gofer is matched by its bundle inside the sandbox directory: it must
     be gone too, or the root overlay stays busy and its upper cannot be sealed."""
     await runtime._reap_processes(cid, runtime.paths(cid.removeprefix(CONTAINER_PREFIX)).root)
-    for suffix in (".state", ".lock"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(runtime.runsc_root / f"{cid}_sandbox:{cid}{suffix}")
+    runtime.forget_container(cid)
 
 
 async def readdress_link(net: SandboxNetwork) -> None:
