@@ -52,6 +52,42 @@ def connect_in(netns: str, host: str, port: int) -> bool:
                           capture_output=True).returncode == 0
 
 
+def tagged_rules(net: SandboxNetwork) -> dict[str, list[str]]:
+    """table -> the rules of chain AGENTENV tagged with ``net``'s netns, as ``iptables -S`` shows them."""
+    return {
+        table: [line for line in sh("iptables", "-t", table, "-S", network.CHAIN).splitlines()
+                if f"--comment {net.netns} " in line + " " or f'--comment "{net.netns}" ' in line + " "]
+        for table in ("filter", "nat")
+    }
+
+
+def expected_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[str]]:
+    tag = f"-m comment --comment {net.netns}"
+    hif = net.host_if
+    filter_rules = [
+        f"-A AGENTENV -i {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
+        f"-A AGENTENV -i {hif} -m addrtype --dst-type LOCAL {tag} -j DROP",
+        f"-A AGENTENV -d {subnet} -i {hif} {tag} -j DROP",
+        f"-A AGENTENV -i {hif} {tag} -j {'ACCEPT' if net.allow_internet_access else 'DROP'}",
+        f"-A AGENTENV -o {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
+        f"-A AGENTENV -o {hif} {tag} -j DROP",
+    ]
+    nat = [f"-A AGENTENV -s {net.sandbox_ip}/32 ! -d {subnet} {tag} -j MASQUERADE"]
+    return {"filter": filter_rules, "nat": nat if net.allow_internet_access else []}
+
+
+def netns_exists(sandbox_id: str) -> bool:
+    return (network.NETNS_DIR / network.netns_name(sandbox_id)).exists()
+
+
+def assert_gone(settings: Settings, net: SandboxNetwork) -> None:
+    everything = sh("iptables-save")
+    assert f"--comment {net.netns}" not in everything and f'--comment "{net.netns}"' not in everything
+    assert not Path(net.netns_path).exists()
+    assert not Path(f"/sys/class/net/{net.host_if}").exists()
+    assert net.sandbox_id not in network.claimed_slots(settings)
+
+
 def resources(net: SandboxNetwork) -> dict[str, bool]:
     rules = sh("iptables-save") + sh("iptables-save", "-t", "nat")
     return {
@@ -156,3 +192,164 @@ async def test_concurrent_setups_in_one_and_many_processes(
 async def test_invalid_sandbox_id(settings: Settings) -> None:
     with pytest.raises(NetworkError, match="invalid sandbox id"):
         await network.setup_network(settings, "../x", allow_internet_access=False)
+
+
+@pytest.mark.parametrize("internet", [False, True])
+async def test_exact_state_after_setup_and_nothing_after_teardown(
+    settings: Settings, nets: list[SandboxNetwork], internet: bool
+) -> None:
+    net = await network.setup_network(settings, unique_id("x"), allow_internet_access=internet)
+    nets.append(net)
+    assert tagged_rules(net) == expected_rules(net, settings.sandbox_subnet)
+    # The hooks into the chains (shared by every sandbox) are there.
+    assert "-A INPUT -i aeh+ -j AGENTENV" in sh("iptables", "-S", "INPUT").splitlines()
+    assert "-A FORWARD -j AGENTENV" in sh("iptables", "-S", "FORWARD").splitlines()
+    assert "-A POSTROUTING -j AGENTENV" in sh("iptables", "-t", "nat", "-S", "POSTROUTING").splitlines()
+    host = sh("ip", "-o", "-4", "addr", "show", "dev", net.host_if).split()
+    assert host[host.index("inet") + 1] == f"{net.host_ip}/30"
+    assert "LOWER_UP" in sh("ip", "link", "show", net.host_if)
+    inside = [line.split() for line in sh("ip", "-n", net.netns, "-o", "-4", "addr").splitlines()]
+    assert sorted((f[1], f[3]) for f in inside) == [
+        (net.sandbox_if, f"{net.sandbox_ip}/30"), ("lo", "127.0.0.1/8")]
+    links = sh("ip", "-n", net.netns, "-o", "link")
+    assert all(",UP" in line or "<UP" in line for line in links.splitlines()), links
+    assert sh("ip", "-n", net.netns, "route").splitlines()[0].split()[:5] == [
+        "default", "via", net.host_ip, "dev", net.sandbox_if]
+
+    await network.teardown_network(settings, net.sandbox_id, net)
+    assert_gone(settings, net)
+
+
+async def test_concurrent_setups_and_teardowns_share_rule_commits(
+    settings: Settings, nets: list[SandboxNetwork], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    restores: list[dict[str, list[str]]] = []
+    real = network._iptables_restore
+
+    async def counting(script: dict[str, list[str]], *, check: bool = True) -> tuple[int, str]:
+        restores.append(script)
+        return await real(script, check=check)
+
+    monkeypatch.setattr(network, "_iptables_restore", counting)
+    count = 8
+    ids = [unique_id("g") for _ in range(count)]
+    created = await asyncio.gather(*(
+        network.setup_network(settings, sid, allow_internet_access=i % 2 == 0) for i, sid in enumerate(ids)
+    ))
+    nets.extend(created)
+    # Setups whose rules are ready while one restore runs go into the next one together (how
+    # many do depends on timing: at most one restore each).
+    assert 1 <= len(restores) <= count
+    for net in created:
+        assert tagged_rules(net) == expected_rules(net, settings.sandbox_subnet)
+    restores.clear()
+    await asyncio.gather(*(network.teardown_network(settings, n.sandbox_id, n) for n in created))
+    # The teardowns all ask at once: one restore deletes the rules of every sandbox.
+    assert len(restores) == 1
+    assert sorted(restores[0]["filter"]) == sorted(
+        f"-D AGENTENV {' '.join(rule)}" for n in created
+        for rule in network.sandbox_rules(n, settings.sandbox_subnet)["filter"])
+    for net in created:
+        assert_gone(settings, net)
+
+
+async def test_rules_committed_in_part_are_not_doubled(
+    settings: Settings, nets: list[SandboxNetwork], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """iptables-restore commits table by table: when the nat table fails after the filter table
+    went in, the retry must not add the filter rules a second time."""
+    real = network._iptables_restore
+    failed: list[bool] = []
+
+    async def filter_only_once(script: dict[str, list[str]], *, check: bool = True) -> tuple[int, str]:
+        if not failed and any(line.startswith("-A ") for line in script.get("nat", [])):
+            failed.append(True)
+            await real({"filter": script["filter"]})
+            return 1, "iptables-restore: line 12 failed (simulated)"
+        return await real(script, check=check)
+
+    monkeypatch.setattr(network, "_iptables_restore", filter_only_once)
+    net = await network.setup_network(settings, unique_id("h"), allow_internet_access=True)
+    nets.append(net)
+    assert failed
+    assert tagged_rules(net) == expected_rules(net, settings.sandbox_subnet)
+    await network.teardown_network(settings, net.sandbox_id, net)
+    assert_gone(settings, net)
+
+
+async def test_failed_setup_leaves_nothing(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = network._iptables_restore
+    seen: list[SandboxNetwork] = []
+    configure = network._configure_netns
+
+    async def remember(net: SandboxNetwork) -> None:
+        seen.append(net)
+        await configure(net)
+
+    async def nat_always_fails(script: dict[str, list[str]], *, check: bool = True) -> tuple[int, str]:
+        if any(line.startswith("-A ") for line in script.get("nat", [])):
+            await real({"filter": script["filter"]})
+            if check:
+                raise NetworkError("iptables-restore failed (simulated)")
+            return 1, "simulated"
+        return await real(script, check=check)
+
+    monkeypatch.setattr(network, "_configure_netns", remember)
+    monkeypatch.setattr(network, "_iptables_restore", nat_always_fails)
+    with pytest.raises(NetworkError, match="simulated"):
+        await network.setup_network(settings, unique_id("f"), allow_internet_access=True)
+    assert len(seen) == 1
+    assert_gone(settings, seen[0])
+
+    async def netns_fails(net: SandboxNetwork) -> None:
+        seen.append(net)
+        raise NetworkError("ip -n failed (simulated)")
+
+    monkeypatch.setattr(network, "_configure_netns", netns_fails)
+    with pytest.raises(NetworkError, match="simulated"):
+        await network.setup_network(settings, unique_id("f"), allow_internet_access=False)
+    assert_gone(settings, seen[1])
+
+
+async def test_cancelled_setup_leaves_nothing(settings: Settings) -> None:
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04):
+        sid = unique_id("k")
+        task = asyncio.create_task(network.setup_network(settings, sid, allow_internet_access=True))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            net = await task
+        except asyncio.CancelledError:
+            assert not netns_exists(sid)
+            assert sid not in network.claimed_slots(settings)
+            assert f"ae-{sid}" not in sh("iptables-save")
+        else:  # finished before the cancel arrived
+            await network.teardown_network(settings, sid, net)
+            assert_gone(settings, net)
+
+
+async def test_existing_netns_is_not_taken_over(settings: Settings) -> None:
+    sid = unique_id("e")
+    sh("ip", "netns", "add", network.netns_name(sid))
+    try:
+        with pytest.raises(NetworkError, match="netns add"):
+            await network.setup_network(settings, sid, allow_internet_access=False)
+        assert netns_exists(sid)
+        assert network.claimed_slots(settings) == {}
+        assert f"ae-{sid}" not in sh("iptables-save")
+    finally:
+        sh("ip", "netns", "del", network.netns_name(sid))
+
+
+async def test_readdress(settings: Settings, nets: list[SandboxNetwork]) -> None:
+    net = await network.setup_network(settings, unique_id("r"), allow_internet_access=False)
+    nets.append(net)
+    sh("ip", "-n", net.netns, "addr", "flush", "dev", net.sandbox_if)  # what runsc does to it
+    assert "default" not in sh("ip", "-n", net.netns, "route")
+    for _ in range(2):  # replaces: twice is fine
+        await network.readdress(net)
+        inside = sh("ip", "-n", net.netns, "-o", "addr", "show", "dev", net.sandbox_if)
+        assert f"{net.sandbox_ip}/30" in inside
+        assert f"default via {net.host_ip} dev {net.sandbox_if}" in sh("ip", "-n", net.netns, "route")
