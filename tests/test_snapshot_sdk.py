@@ -169,48 +169,62 @@ def test_paused_sandbox_survives_server_restart(private_server: ServerProcess) -
         restarted.stop()
 
 
-def test_kill_9_mid_pause_keeps_committed_snapshots_and_leaks_nothing(private_server: ServerProcess) -> None:
+#: What a test interrupts with kill -9: (request path, JSON body, seconds into the request).
+INTERRUPTED = {
+    "pause": ("pause", None, 0.2),          # inside the checkpoint (0.3-0.7 s on this runsc)
+    "snapshot": ("snapshots", {}, 0.2),     # checkpoint, seal or the parent's restore
+    "fork": ("fork", {"count": 4}, 1.0),    # children restoring
+}
+
+
+@pytest.mark.parametrize("operation", sorted(INTERRUPTED))
+def test_kill_9_mid_operation_keeps_committed_snapshots_and_leaks_nothing(
+    private_server: ServerProcess, operation: str
+) -> None:
     opts = sdk_opts(private_server)
     sbx = Sandbox.create(timeout=300, **opts)
     start_state(sbx)
     committed = sbx.create_snapshot()
+    path, body, delay = INTERRUPTED[operation]
     done = threading.Event()
 
-    def pause() -> None:
+    def interrupted_request() -> None:
         try:
-            httpx.post(f"{private_server.url}/sandboxes/{sbx.sandbox_id}/pause",
+            httpx.post(f"{private_server.url}/sandboxes/{sbx.sandbox_id}/{path}", json=body,
                        headers={"X-API-Key": private_server.api_key}, timeout=60)
         except httpx.HTTPError:
             pass
         done.set()
 
-    threading.Thread(target=pause, daemon=True).start()
-    time.sleep(0.2)  # inside the checkpoint (0.3-0.7 s on this runsc), most of the time
+    threading.Thread(target=interrupted_request, daemon=True).start()
+    time.sleep(delay)
     private_server.kill_hard()
     done.wait(30)
     restarted = start_server(
         private_server.data_dir, port=private_server.port, api_key=private_server.api_key
     )
     try:
-        # The committed snapshot is intact and usable; the interrupted pause left no snapshot dir.
+        # The committed snapshot is intact and usable.
         names = {s.snapshot_id for s in Sandbox.list_snapshots(**opts).next_items()}
         assert committed.snapshot_id in names
         db = sqlite3.connect(private_server.data_dir / "agentenv.sqlite3")
-        row = db.execute("SELECT state FROM sandboxes WHERE sandbox_id = ?", (sbx.sandbox_id,)).fetchone()
-        state = row[0]
+        states = dict(db.execute("SELECT sandbox_id, state FROM sandboxes").fetchall())
         registered = dict(db.execute("SELECT snapshot_id, kind FROM snapshots").fetchall())
         db.close()
-        # Every snapshot directory on disk is a committed registry row: an interrupted pause leaves
-        # none behind. The pause may also have committed just before the kill (it is fast now):
-        # then the sandbox is paused and its one pause snapshot is registered.
+        # Every snapshot directory on disk is a committed registry row: the interrupted
+        # operation left none behind (a pause may also have committed just before the kill).
         leftovers = {p.name for p in (private_server.data_dir / "snapshots").iterdir()}
         assert leftovers == set(registered)
-        pauses = [sid for sid, kind in registered.items() if kind == "pause"]
         assert registered[committed.snapshot_id] == "snapshot"
-        assert len(pauses) == (1 if state == "paused" else 0), (state, registered)
-        if state != "paused":  # interrupted before the commit: recovery removed the sandbox
-            assert state == "killed"
-            assert wait_no_host_resources(sbx.sandbox_id) == []
+        pauses = [sid for sid, kind in registered.items() if kind == "pause"]
+        assert len(pauses) == (1 if states[sbx.sandbox_id] == "paused" else 0), (states, registered)
+        # No sandbox leaked: each one is live and answering, paused, or gone without a trace.
+        for sandbox_id, state in states.items():
+            if state == "running":
+                assert Sandbox.connect(sandbox_id, **opts).commands.run("echo up").stdout.strip() == "up"
+            elif state != "paused":
+                assert state == "killed", (sandbox_id, state)
+                assert wait_no_host_resources(sandbox_id) == []
         child = Sandbox.create(committed.snapshot_id, timeout=120, **opts)
         assert child.files.read("/home/user/state.txt") == "parent-state"
         child.kill()

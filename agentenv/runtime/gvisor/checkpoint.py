@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentenv.config import ENVD_PORT
+from agentenv.runtime import network
 from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.network import SandboxNetwork
 
@@ -147,10 +148,7 @@ async def readdress_link(net: SandboxNetwork) -> None:
     restore builds a *new* netstack from what the link carries then (restored sockets re-attach
     to it), so the link must carry the address again -- the one of the slot the restored sandbox
     now has, which is what lets a fork child live at its own address."""
-    await _run("ip", "-n", net.netns, "addr", "replace", f"{net.sandbox_ip}/{net.prefixlen}",
-               "dev", net.sandbox_if)
-    await _run("ip", "-n", net.netns, "route", "replace", "default", "via", net.host_ip,
-               "dev", net.sandbox_if)
+    await network.readdress(net)
 
 
 async def restore_container(
