@@ -1,103 +1,192 @@
-"""Runtimes side by side: the node's default runtime (the lead's server) and QEMU (TCG here),
-each through a real ``agentenv serve`` and the official e2b SDK: create, one command, kill.
-Plus the QEMU runtime's snapshot (migration to file) and restore, and the reflink disk layers
-(100 clones of a 1 GiB base, from :mod:`bench.reflink`).
+"""Runtimes side by side: gVisor and QEMU (TCG here) on the same lifecycle operations, each
+through its own real ``agentenv serve`` and the official e2b SDK.
 
     .venv/bin/python -m bench --only runtimes --runs 20
 
-QEMU under TCG boots a kernel and a python envd on an emulated CPU (1-3 minutes each on this
-2-core host), so it runs ``min(runs, QEMU_RUNS)`` times; the count is in the result.
+Per runtime:
+
+* cold create -> first command (the template is booted), then kill;
+* on one parent holding a file and a running process, rounds of: pause; resume (``connect``) ->
+  first command; snapshot (the parent keeps running); create from that snapshot -> first
+  command; fork 2 -> both children answering; kill (every sandbox of the round).
+
+Both servers run with the same settings: template snapshots and warm pools off, so a cold create
+is a boot on both runtimes and every other figure is a snapshot operation of the runtime itself.
+QEMU under TCG boots a kernel and a python envd on an emulated CPU (20 s to minutes on this
+2-core host), so it runs ``min(runs, QEMU_COLD_RUNS)`` cold creates and ``min(runs, QEMU_ROUNDS)``
+rounds; the counts are in the result. The QEMU server logs the phases of every boot, pause,
+snapshot, resume and restore (``agentenv.runtime.qemu``); their statistics are ``qemu_phases``.
+
+Also refreshes ``bench/results/reflink.json`` (reflink disk layers, :mod:`bench.reflink`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import re
 import shutil
-import tempfile
 import time
-import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from agentenv.storage.reflink import ReflinkPool
 from bench import reflink
-from bench.harness import serve, stats
+from bench.harness import serve, stats, write_result
 
-QEMU_RUNS = 3
+RUNTIMES = ("gvisor", "qemu")
+QEMU_COLD_RUNS = 3
+QEMU_ROUNDS = 10
+FORK_COUNT = 2
+OPERATIONS = (
+    "cold_create_to_first_command", "pause", "resume_to_first_command", "snapshot",
+    "create_from_snapshot_to_first_command", "fork2_to_all_answering", "kill",
+)
+#: Same settings for both servers (see the module docstring).
+SERVER_ENV = {"AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
+#: Generous: a TCG guest answers slowly, and the bench must not fail on a loaded host.
+REQUEST_TIMEOUT = 900.0
+STATE_PROCESS = "nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &"
+PHASE_LINE = re.compile(r"qemu \S+: (\w+) in (\d+) ms \(([^)]*)\)")
+
+Samples = dict[str, list[float]]
 
 
-def _sdk_cycle(server_url: str, api_key: str, runs: int) -> dict[str, object]:
+def _run_cmd(sbx: Any) -> None:
+    sbx.commands.run("true", timeout=120, request_timeout=120)
+
+
+def _clocked(samples: Samples, operation: str, fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    result = fn()
+    samples[operation].append(time.perf_counter() - start)
+    return result
+
+
+def _cold(opts: dict[str, Any], samples: Samples) -> None:
     from e2b import Sandbox
 
-    create, command, kill = [], [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        sbx = Sandbox.create(template="base", api_key=api_key, api_url=server_url, sandbox_url=server_url,
-                             request_timeout=900, timeout=900)
-        t1 = time.perf_counter()
-        try:
-            sbx.commands.run("echo ok", timeout=120, request_timeout=120)
-            t2 = time.perf_counter()
-        finally:
-            sbx.kill(request_timeout=120)
-        t3 = time.perf_counter()
-        create.append(t1 - t0)
-        command.append(t2 - t1)
-        kill.append(t3 - t2)
-    return {"create": stats(create), "command": stats(command), "kill": stats(kill)}
+    def create_and_run() -> Any:
+        sbx = Sandbox.create("base", timeout=900, **opts)
+        _run_cmd(sbx)
+        return sbx
+
+    sbx = _clocked(samples, "cold_create_to_first_command", create_and_run)
+    _clocked(samples, "kill", sbx.kill)
 
 
-def _qemu_snapshot_restore(runs: int) -> dict[str, object]:
-    """Runtime-level (no server): QEMU migration to a file and restore from it."""
-    from agentenv.config import Settings
-    from agentenv.runtime.base import SandboxSpec, SnapshotRef
-    from agentenv.runtime.qemu.runtime import QemuRuntime
-    from agentenv.storage.templates import load_template
+def _round(parent: Any, opts: dict[str, Any], samples: Samples) -> Any:
+    """One round of the lifecycle on ``parent``; returns the resumed parent."""
+    from e2b import Sandbox
 
-    data = Path(tempfile.mkdtemp(prefix="aebq-", dir="/tmp"))
-    settings = Settings(data_dir=data, templates_path=Path("/var/lib/agentenv/templates"))
-    runtime = QemuRuntime(settings)
-    template = load_template("base", settings)
-    save, restore, sizes = [], [], []
+    _clocked(samples, "pause", parent.pause)
 
-    async def once(i: int) -> None:
-        inst = await runtime.create(SandboxSpec(sandbox_id=f"bq{uuid.uuid4().hex[:8]}", template=template))
-        try:
-            snap = SnapshotRef(f"s{i}", data / "snapshots" / f"s{i}")
-            t0 = time.perf_counter()
-            await runtime.snapshot(inst, snap, stop=True)
-            save.append(time.perf_counter() - t0)
-            sizes.append((snap.path / "memory.bin").stat().st_size)
-            t0 = time.perf_counter()
-            spec = SandboxSpec(sandbox_id=f"bq{uuid.uuid4().hex[:8]}", template=template)
-            restored = await runtime.restore(spec, snap)
-            restore.append(time.perf_counter() - t0)
-            await runtime.kill(restored)
-        finally:
-            await runtime.kill(inst)
+    def resume() -> Any:
+        resumed = Sandbox.connect(parent.sandbox_id, timeout=900, **opts)
+        _run_cmd(resumed)
+        return resumed
 
+    parent = _clocked(samples, "resume_to_first_command", resume)
+    snap = _clocked(samples, "snapshot", parent.create_snapshot)
     try:
-        for i in range(runs):
-            asyncio.run(once(i))
+        def create_from_snapshot() -> Any:
+            child = Sandbox.create(snap.snapshot_id, timeout=900, **opts)
+            _run_cmd(child)
+            return child
+
+        child = _clocked(samples, "create_from_snapshot_to_first_command", create_from_snapshot)
+        _clocked(samples, "kill", child.kill)
+        _fork(parent, samples)
     finally:
-        asyncio.run(runtime.cleanup_orphans(set()))
-        ReflinkPool(data).destroy()
-        shutil.rmtree(data, ignore_errors=True)
-    return {"save": stats(save), "restore_to_envd": stats(restore),
-            "memory_file_mib": round(sum(sizes) / max(1, len(sizes)) / (1 << 20), 1)}
+        Sandbox.delete_snapshot(snap.snapshot_id, **opts)
+    return parent
+
+
+def _fork(parent: Any, samples: Samples) -> None:
+    start = time.perf_counter()
+    results = parent.fork(count=FORK_COUNT, timeout=900, request_timeout=REQUEST_TIMEOUT)
+    children = [c for c in results if not isinstance(c, Exception)]
+    try:
+        for child in children:
+            _run_cmd(child)
+        if len(children) != FORK_COUNT:
+            raise RuntimeError(f"fork {FORK_COUNT}: {[str(e) for e in results if isinstance(e, Exception)]}")
+        samples["fork2_to_all_answering"].append(time.perf_counter() - start)
+    finally:
+        for child in children:
+            _clocked(samples, "kill", child.kill)
+
+
+def _lifecycle(opts: dict[str, Any], rounds: int, samples: Samples, errors: list[str]) -> None:
+    from e2b import Sandbox
+
+    parent = Sandbox.create("base", timeout=3600, **opts)
+    try:
+        parent.files.write("/home/user/state.txt", "bench", request_timeout=120)
+        parent.commands.run(STATE_PROCESS, timeout=120, request_timeout=120)
+        for _ in range(rounds):
+            try:
+                parent = _round(parent, opts, samples)
+            except Exception as exc:  # recorded; a broken parent ends this runtime's rounds
+                errors.append(f"round: {type(exc).__name__}: {exc}")
+                break
+    finally:
+        parent.kill()
+
+
+def _phases(server_log: Path) -> dict[str, dict[str, Any]]:
+    """Per operation (boot, resume, restore, pause, snapshot): statistics of its total and of
+    each phase, from the QEMU runtime's log lines."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for match in PHASE_LINE.finditer(server_log.read_text(errors="replace")):
+        what, total, parts = match.groups()
+        phases = found.setdefault(what, {"total": []})
+        phases["total"].append(int(total) / 1000)
+        for part in parts.split(", "):
+            name, _, ms = part.rpartition(" ")
+            phases.setdefault(name, []).append(int(ms) / 1000)
+    return {what: {name: stats(v) for name, v in phases.items()} for what, phases in found.items()}
+
+
+def _release(data_dir: Path) -> None:
+    """The server's reflink pool is loop-mounted in its data dir: unmount it, then delete the
+    directory unless something is still mounted below it (never rm -rf through a mount)."""
+    ReflinkPool(data_dir).destroy()
+    if not any(m.startswith(str(data_dir)) for m in Path("/proc/mounts").read_text().split()):
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def measure(runtime: str, cold_runs: int, rounds: int) -> dict[str, Any]:
+    samples: Samples = {op: [] for op in OPERATIONS}
+    errors: list[str] = []
+    with serve(runtime=runtime, extra_env=SERVER_ENV) as server:
+        data_dir = server.data_dir
+        opts: dict[str, Any] = {"api_key": server.api_key, "api_url": server.url,
+                                "sandbox_url": server.url, "request_timeout": REQUEST_TIMEOUT}
+        for _ in range(cold_runs):
+            try:
+                _cold(opts, samples)
+            except Exception as exc:
+                errors.append(f"cold create: {type(exc).__name__}: {exc}")
+        _lifecycle(opts, rounds, samples, errors)
+    phases = _phases(data_dir / "server.log") if runtime == "qemu" else {}
+    _release(data_dir)
+    return {"samples": samples, "errors": errors, "phases": phases}
 
 
 def run(server_url: str, api_key: str, runs: int) -> dict[str, object]:
-    result: dict[str, object] = {"reflink": reflink.run(runs, 100)}
-    result["default_runtime"] = _sdk_cycle(server_url, api_key, runs)
-    qemu_runs = min(runs, QEMU_RUNS)
-    with serve(runtime="qemu") as qemu_server:
-        try:
-            result["qemu_tcg"] = _sdk_cycle(qemu_server.url, qemu_server.api_key, qemu_runs)
-        finally:
-            qemu_data = qemu_server.data_dir
-    # The server's runtime loop-mounted a reflink pool in its data directory: release it.
-    ReflinkPool(qemu_data).destroy()
-    shutil.rmtree(qemu_data, ignore_errors=True)
-    result["qemu_tcg_snapshot"] = _qemu_snapshot_restore(qemu_runs)
-    result["qemu_runs"] = qemu_runs
-    return result
+    """``server_url``/``api_key`` (the default server of ``python -m bench``) are not used: each
+    runtime gets a server of its own with the same settings."""
+    write_result("reflink", reflink.run(runs, 100))
+    counts = {"gvisor": (runs, runs), "qemu": (min(runs, QEMU_COLD_RUNS), min(runs, QEMU_ROUNDS))}
+    measured = {name: measure(name, *counts[name]) for name in RUNTIMES}
+    return {
+        "operations": {
+            op: {name: stats(measured[name]["samples"][op]) for name in RUNTIMES} for op in OPERATIONS
+        },
+        "qemu_phases": measured["qemu"]["phases"],
+        "errors": {name: measured[name]["errors"] for name in RUNTIMES},
+        **{f"runs_{name}": f"{cold} cold creates, {rounds} lifecycle rounds (fork {FORK_COUNT})"
+           for name, (cold, rounds) in counts.items()},
+        "notes": "gVisor: runsc 2022-12, ptrace platform; QEMU: -M microvm under TCG (no vmx/svm), "
+                 "512 MiB guest; both servers with template snapshots and warm pools off",
+    }

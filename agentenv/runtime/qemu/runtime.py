@@ -399,7 +399,7 @@ class QemuRuntime(Runtime):
             phases.mark("incoming")
         await self._wait_envd(url, state["pid"], paths, restored=boot.snapshot is not None)
         phases.mark("envd")
-        what = "boot" if boot.snapshot is None else "restore"
+        what = "boot" if boot.snapshot is None else "resume" if kept else "restore"
         log.info("qemu %s: %s in %s", spec.sandbox_id, what, phases.summary())
         return SandboxInstance(spec.sandbox_id, self.name, url, net.sandbox_ip, state)
 
