@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -98,6 +99,9 @@ def serve(runtime: str = "auto", extra_env: dict[str, str] | None = None) -> Ite
             time.sleep(0.2)
         yield Server(url, API_KEY, proc, data_dir)
     finally:
+        # Sandboxes outlive a stopped server (a restart re-attaches them): a throw-away server
+        # must kill its own, even when the benchmark failed half-way.
+        _kill_all(url)
         proc.terminate()
         try:
             proc.wait(timeout=60)
@@ -105,6 +109,17 @@ def serve(runtime: str = "auto", extra_env: dict[str, str] | None = None) -> Ite
             proc.kill()
             proc.wait()
         log.close()
+        # The server removed its sandboxes on the way out; what is left is its own state.
+        if not any(str(data_dir) in line for line in Path("/proc/mounts").read_text().splitlines()):
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _kill_all(url: str) -> None:
+    headers = {"X-API-Key": API_KEY}
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        for sandbox in httpx.get(f"{url}/v2/sandboxes", headers=headers, timeout=30).json():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.delete(f"{url}/sandboxes/{sandbox['sandboxID']}", headers=headers, timeout=120)
 
 
 def write_result(name: str, payload: dict[str, object]) -> Path:
