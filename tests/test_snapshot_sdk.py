@@ -173,8 +173,16 @@ def test_paused_sandbox_survives_server_restart(private_server: ServerProcess) -
 INTERRUPTED = {
     "pause": ("pause", None, 0.2),          # inside the checkpoint (0.3-0.7 s on this runsc)
     "snapshot": ("snapshots", {}, 0.2),     # checkpoint, seal or the parent's restore
-    "fork": ("fork", {"count": 4}, 1.0),    # children restoring
+    "fork": ("fork", {"count": 4}, 0.0),    # children restoring (waits for the commit)
 }
+
+
+def fork_committed(server: ServerProcess) -> bool:
+    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3", timeout=5)
+    try:
+        return db.execute("SELECT 1 FROM snapshots WHERE kind = 'fork'").fetchone() is not None
+    finally:
+        db.close()
 
 
 @pytest.mark.parametrize("operation", sorted(INTERRUPTED))
@@ -197,7 +205,14 @@ def test_kill_9_mid_operation_keeps_committed_snapshots_and_leaks_nothing(
         done.set()
 
     threading.Thread(target=interrupted_request, daemon=True).start()
-    time.sleep(delay)
+    if operation == "fork":
+        # Right after the fork's checkpoint is committed: the parent is stopped, children restore.
+        deadline = time.monotonic() + 30
+        while not fork_committed(private_server):
+            assert time.monotonic() < deadline, "the fork's checkpoint was never committed"
+            time.sleep(0.005)
+    else:
+        time.sleep(delay)
     private_server.kill_hard()
     done.wait(30)
     restarted = start_server(
@@ -225,6 +240,11 @@ def test_kill_9_mid_operation_keeps_committed_snapshots_and_leaks_nothing(
             elif state != "paused":
                 assert state == "killed", (sandbox_id, state)
                 assert wait_no_host_resources(sandbox_id) == []
+        if operation == "fork":  # the parent was stopped by the fork: recovery restored it
+            assert states[sbx.sandbox_id] == "running"
+            parent = Sandbox.connect(sbx.sandbox_id, **opts)
+            assert parent.files.read("/home/user/state.txt") == "parent-state"
+            assert_counter_runs(parent)
         child = Sandbox.create(committed.snapshot_id, timeout=120, **opts)
         assert child.files.read("/home/user/state.txt") == "parent-state"
         child.kill()

@@ -20,6 +20,8 @@ Extension points for the snapshot/lifecycle code (``agentenv/orchestrator/snapsh
   template's snapshot, or returns None and the template is booted.
 - :attr:`Orchestrator.destroyed_hook` ``(record)``: after a sandbox was torn down (frees shared
   disk layers it was the last user of).
+- :attr:`Orchestrator.revive_hook` ``(record) -> bool``: at start-up, for a sandbox recorded running
+  but found stopped (a crash mid-fork leaves the parent checkpointed): restore it if it can.
 - :meth:`Orchestrator.locked`, :meth:`attach`, :meth:`detach`, ``store`` and ``runtime_for``
   give it what it needs to run transitions of its own.
 """
@@ -118,6 +120,8 @@ FastCreateHook = Callable[
     [CreateRequest, "templates.TemplateInfo", Runtime], Awaitable["SandboxRecord | None"]
 ]
 DestroyedHook = Callable[[SandboxRecord], Awaitable[None]]
+#: Restarts a "running" sandbox found stopped at start-up from a checkpoint it left; True if it did.
+ReviveHook = Callable[[SandboxRecord], Awaitable[bool]]
 
 
 def utcnow() -> dt.datetime:
@@ -154,6 +158,7 @@ class Orchestrator:
         self.resume_hook: ResumeHook | None = None
         self.fast_create_hook: FastCreateHook | None = None
         self.destroyed_hook: DestroyedHook | None = None
+        self.revive_hook: ReviveHook | None = None
 
     # -- start-up and shut-down ----------------------------------------------------------------
 
@@ -190,6 +195,9 @@ class Orchestrator:
             if alive:
                 self.attach(rec)
                 log.info("recovery: re-attached running sandbox %s", rec.sandbox_id)
+                continue
+            if rec.state == "running" and self.revive_hook is not None and await self.revive_hook(rec):
+                log.info("recovery: revived sandbox %s from its last checkpoint", rec.sandbox_id)
                 continue
             log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
             await self._destroy(rec, reason=f"server restart found it {rec.state} but not alive")

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Snapshot kind of a template's snapshot (internal: not listed, not a template of its own).
 TEMPLATE_KIND = "template"
+#: Snapshot kind of a fork's one checkpoint (deleted once the children and parent restored).
+FORK_KIND = "fork"
 #: Parallel restores of a fork (each runs a runsc restore; more only queue on 2 cores).
 FORK_PARALLELISM = 4
 #: The API's limit (openapi.yml: SandboxForkRequest.count maximum); the SDKs send at most 20.
@@ -94,9 +96,35 @@ class SnapshotService:
             if rec is None or rec.state != "paused" or rec.extra.get("pause_snapshot") != row.snapshot_id:
                 await store.delete(row.snapshot_id)
                 removed.append(row.snapshot_id)
+        # A fork's snapshot never outlives its request: one left behind was cut by a crash (its
+        # parent was revived from it during recovery, see :meth:`revive`).
+        for row in await store.rows(kind=FORK_KIND):
+            await store.delete(row.snapshot_id)
+            removed.append(row.snapshot_id)
         if removed:
             log.info("snapshot recovery removed %s", ", ".join(removed))
         await self.collect_garbage()
+
+    async def revive(self, rec: SandboxRecord) -> bool:
+        """Restore a sandbox recorded running but found stopped at start-up from the fork
+        snapshot a crash cut short (the parent of a fork is stopped between its checkpoint and
+        its own restore). False when there is none or the restore fails."""
+        store = await self.store()
+        rows = await store.rows(kind=FORK_KIND, source=rec.sandbox_id)
+        if not rows:
+            return False
+        row = rows[0]
+        try:
+            rec.instance = await self.orch.runtime_for(rec).restore(
+                self._spec(rec, self._template(rec, row.info)), store.ref(row)
+            )
+            await self.orch._init_envd(rec)
+        except Exception as exc:
+            log.warning("reviving %s from %s failed: %s", rec.sandbox_id, row.snapshot_id, exc)
+            return False
+        await self.orch.store.save(rec)
+        self.orch.attach(rec)
+        return True
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -531,7 +559,7 @@ class SnapshotService:
                 raise OrchestratorError(409, f"sandbox {sandbox_id} is {rec.state}, not running")
             self.orch.detach(sandbox_id)
             try:
-                row = await self._take(rec, "fork", stop=True)
+                row = await self._take(rec, FORK_KIND, stop=True)
             except Exception as exc:
                 await self._after_failed_snapshot(rec, exc)
                 raise OrchestratorError(500, f"fork of {sandbox_id} failed: {exc}") from exc
@@ -622,6 +650,7 @@ def install(orch: Orchestrator) -> None:
     orch.pause_hook = pause_hook
     orch.resume_hook = resume_hook
     orch.fast_create_hook = service.fast_create
+    orch.revive_hook = service.revive
     orch.destroyed_hook = destroyed_hook
     original_start = orch.start
     original_close = orch.close

@@ -4,8 +4,9 @@ Crash safety: a snapshot is written into ``snapshots/.tmp-<snapshot_id>-<pid>/``
 ``os.rename`` to its final name, then recorded in the ``snapshots`` table. A crash before the
 rename leaves only a ``.tmp-*`` directory (removed on start-up, :func:`sweep_incomplete`); a crash
 between rename and row leaves a directory without row (also swept). A committed snapshot is never
-touched by either. Deleting a snapshot only removes its own directory: every snapshot is
-self-contained on disk (its own memory image and disk layer), so descendants never break.
+touched by either. Deleting a snapshot only removes its own directory (memory image and meta);
+the disk layers it names are shared with its descendants and freed by the runtime's
+``collect_garbage`` once nothing names them, so descendants never break.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ CREATE INDEX IF NOT EXISTS snapshots_source ON snapshots(source_sandbox_id);
 """
 
 #: ``pause``: the memory state of a paused sandbox (private to it, deleted on resume/kill);
-#: ``snapshot``: a user snapshot (a template sandboxes are created from).
-KINDS = ("pause", "snapshot")
+#: ``snapshot``: a user snapshot (a template sandboxes are created from); ``fork``: a fork's one
+#: checkpoint (deleted when its request ends); ``template``: a template's booted state, which
+#: creates from the template restore.
+KINDS = ("pause", "snapshot", "fork", "template")
 TMP_PREFIX = ".tmp-"
 
 
