@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -45,8 +46,9 @@ log = logging.getLogger(__name__)
 TEMPLATE_KIND = "template"
 #: Snapshot kind of a fork's one checkpoint (deleted once the children and parent restored).
 FORK_KIND = "fork"
-#: Parallel restores of a fork (each runs a runsc restore; more only queue on 2 cores).
-FORK_PARALLELISM = 4
+#: Parallel restores of a fork: each is a runsc (or VMM) start plus a CPU-bound state load, so
+#: two per core keep the cores busy while one waits on I/O; more only queue.
+FORK_PARALLELISM = max(2, 2 * (os.cpu_count() or 1))
 #: The API's limit (openapi.yml: SandboxForkRequest.count maximum); the SDKs send at most 20.
 MAX_FORK_COUNT = 100
 
