@@ -513,9 +513,10 @@ class SnapshotService:
         await self.orch.runtime_for_name(instance.runtime).kill(instance)
 
     async def warm_up(self) -> None:
-        """At start-up: snapshot and pool the templates named in ``warm_pool_templates``."""
+        """At start-up: snapshot and pool the templates named in ``warm_pool_templates``. With
+        pooling off, template snapshots are made on first use instead."""
         settings = self.orch.settings
-        if not settings.template_snapshots:
+        if not settings.template_snapshots or not self.pool.enabled:
             return
         for template_id in settings.warm_pool_templates:
             try:
