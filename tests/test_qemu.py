@@ -200,6 +200,9 @@ COUNTER = (
     "mv /tmp/counter.new /tmp/counter; sleep 0.2; done' >/dev/null 2>&1 &"
 )
 STATE_FILE = "/home/user/state.txt"
+#: Template snapshots and warm pools off: they would boot a second VM in the background (a minute
+#: of emulated CPU on 2 cores) and are not what the lifecycle test is about.
+SERVER_ENV = {"AGENTENV_RUNTIME": "qemu", "AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
 
 
 def _counter(sbx: Sandbox) -> int:
@@ -222,10 +225,14 @@ def _slots(data_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text().strip() for p in (data_dir / "net").glob("slot-*")}
 
 
-def _pause_resume(parent: Sandbox, opts: dict[str, Any], before: int) -> Sandbox:
-    """Same sandbox, same memory: the counter goes on from where it was."""
+def _pause_restart_resume(servers: list[ServerProcess], parent: Sandbox, opts: dict[str, Any],
+                          before: int) -> Sandbox:
+    """Same sandbox, same memory, across a server restart: the counter goes on from where it was."""
     assert parent.pause(request_timeout=VM_LIMIT) is True
     assert Sandbox.get_info(parent.sandbox_id, **opts).state.value == "paused"
+    old = servers[-1]
+    old.stop()
+    servers.append(start_server(old.data_dir, port=old.port, api_key=old.api_key, extra_env=SERVER_ENV))
     resumed = Sandbox.connect(parent.sandbox_id, timeout=900, **opts)
     _assert_state_continues(resumed, before)
     return resumed
@@ -259,8 +266,9 @@ def _fork_two(parent: Sandbox, before: int, ids: list[str]) -> None:
     _assert_state_continues(parent, before)
 
 
-def _lifecycle(server: ServerProcess, ids: list[str]) -> tuple[str, dict[str, str]]:
+def _lifecycle(servers: list[ServerProcess], ids: list[str]) -> tuple[str, dict[str, str]]:
     """The whole scenario; returns the snapshot id and the network slots the sandboxes held."""
+    server = servers[-1]
     opts: dict[str, Any] = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url,
                             "request_timeout": VM_LIMIT}
     parent = Sandbox.create("base", timeout=900, **opts)
@@ -269,7 +277,7 @@ def _lifecycle(server: ServerProcess, ids: list[str]) -> tuple[str, dict[str, st
     parent.commands.run(COUNTER, timeout=120, request_timeout=120)
     time.sleep(1)
     before = _counter(parent)
-    parent = _pause_resume(parent, opts, before)
+    parent = _pause_restart_resume(servers, parent, opts, before)
     snapshot_id = _snapshot_children(parent, opts, before, ids)
     _fork_two(parent, before, ids)
     slots = _slots(server.data_dir)
@@ -282,20 +290,18 @@ def _lifecycle(server: ServerProcess, ids: list[str]) -> tuple[str, dict[str, st
 
 @pytest.mark.timeout(900)  # one cold TCG boot alone may take minutes on a loaded host
 def test_lifecycle_through_server(qemu_settings: Settings) -> None:
-    """Pause/resume, snapshot -> 2 sandboxes, fork 2, kill: the official SDK against
-    ``agentenv serve`` on the qemu runtime; then nothing of the sandboxes is left on the host.
-    Template snapshots and warm pools are off: they would boot a second VM in the background
-    (a minute of emulated CPU on 2 cores) and are not what this test is about."""
+    """Pause, server restart, resume; snapshot -> 2 sandboxes; fork 2; kill: the official SDK
+    against ``agentenv serve`` on the qemu runtime; then nothing of the sandboxes is left on the
+    host."""
     data = qemu_settings.data_dir / "lifecycle"
-    env = {"AGENTENV_RUNTIME": "qemu", "AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
     ids: list[str] = []
     try:
-        server = start_server(data, extra_env=env)
+        servers = [start_server(data, extra_env=SERVER_ENV)]
         try:
-            snapshot_id, slots = _lifecycle(server, ids)
+            snapshot_id, slots = _lifecycle(servers, ids)
         finally:
-            kill_all_sandboxes(server)
-            server.stop()
+            kill_all_sandboxes(servers[-1])
+            servers[-1].stop()
         settings = Settings(data_dir=data)
         for sandbox_id in ids:
             assert _host_leftovers(settings, sandbox_id) == {}, sandbox_id
@@ -304,4 +310,6 @@ def test_lifecycle_through_server(qemu_settings: Settings) -> None:
         assert [link for link in host_links if Path(f"/sys/class/net/{link}").exists()] == []
         assert not (data / "snapshots" / snapshot_id).exists()
     finally:
+        # After a failure: whatever the server left (a paused sandbox keeps its netns).
+        asyncio.run(QemuRuntime(Settings(data_dir=data)).cleanup_orphans(set()))
         ReflinkPool(data).destroy()
