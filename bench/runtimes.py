@@ -165,8 +165,9 @@ def _phase_report(found: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
 
 
 def _release(data_dir: Path) -> None:
-    """The server's reflink pool is loop-mounted in its data dir: unmount it, then delete the
-    directory unless something is still mounted below it (never rm -rf through a mount)."""
+    """The QEMU server's reflink pool is loop-mounted in its data dir (so the harness left the dir
+    alone): unmount it, then delete the directory unless something else is still mounted below
+    it (never rm -rf through a mount)."""
     ReflinkPool(data_dir).destroy()
     if not any(m.startswith(str(data_dir)) for m in Path("/proc/mounts").read_text().split()):
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -185,7 +186,8 @@ def measure(runtime: str, cold_runs: int, rounds: int) -> dict[str, Any]:
             except Exception as exc:
                 errors.append(f"cold create: {type(exc).__name__}: {exc}")
         _lifecycle(opts, rounds, samples, errors)
-    phases = _phase_report(_phases(data_dir / "server.log")) if runtime == "qemu" else {}
+        # Read while the server runs: the harness may delete its data dir on the way out.
+        phases = _phase_report(_phases(data_dir / "server.log")) if runtime == "qemu" else {}
     _release(data_dir)
     return {"samples": samples, "errors": errors, "phases": phases}
 
