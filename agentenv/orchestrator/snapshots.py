@@ -36,7 +36,7 @@ from agentenv.orchestrator.service import (
     utcnow,
 )
 from agentenv.orchestrator.store import SandboxRecord
-from agentenv.runtime.base import Runtime, SandboxInstance, SandboxSpec, TemplateImage
+from agentenv.runtime.base import Runtime, SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.storage import snapshots as storage
 from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
 
@@ -537,11 +537,13 @@ class SnapshotService:
 
     async def collect_garbage(self) -> None:
         """Have every runtime free the disk layers no snapshot and no sandbox uses any more."""
+        store = await self.store()
         async with self._gc_lock:
-            rows = await (await self.store()).rows()
-            store = await self.store()
             for runtime in list(self.orch._runtimes.values()):
-                live = [store.ref(r) for r in rows if r.runtime == runtime.name]
+
+                async def live(name: str = runtime.name) -> list[SnapshotRef]:
+                    return [store.ref(r) for r in await store.rows() if r.runtime == name]
+
                 try:
                     await runtime.collect_garbage(live)
                 except Exception:

@@ -33,6 +33,7 @@ from agentenv.config import ENVD_PORT, Settings, get_settings
 from agentenv.runtime import network
 from agentenv.runtime.base import (
     CpuSampler,
+    LiveSnapshots,
     Runtime,
     RuntimeError_,
     SandboxInstance,
@@ -489,11 +490,13 @@ class GvisorRuntime(Runtime):
                 in_use |= {Path(m["source"]).name for m in mounts if m["destination"] == MOUNT_POINT}
         remove_stale_bundles(self.settings, in_use)
 
-    async def collect_garbage(self, live_snapshots: list[SnapshotRef]) -> list[str]:
+    async def collect_garbage(self, live_snapshots: LiveSnapshots) -> list[str]:
         checkpoint = importlib.import_module("agentenv.runtime.gvisor.checkpoint")
         in_use: set[str] = set()
         async with self.layer_lock:
-            for ref in live_snapshots:
+            # Listed under the lock: a snapshot committed while this collection waited for it
+            # (and whose sandbox is gone since) must count.
+            for ref in await live_snapshots():
                 in_use |= set(checkpoint.snapshot_layers(ref.path))
             sandboxes = self.settings.data_dir / "sandboxes"
             for sandbox_dir in sandboxes.iterdir() if sandboxes.is_dir() else []:

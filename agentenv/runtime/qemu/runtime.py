@@ -38,6 +38,7 @@ from agentenv.config import ENVD_PORT, Settings, get_settings
 from agentenv.runtime import network
 from agentenv.runtime.base import (
     CpuSampler,
+    LiveSnapshots,
     Runtime,
     RuntimeError_,
     SandboxInstance,
@@ -551,7 +552,7 @@ class QemuRuntime(Runtime):
         await asyncio.to_thread(remove_orphan_snapshot_disks, self.settings)
         return removed
 
-    async def collect_garbage(self, live_snapshots: list[SnapshotRef]) -> list[str]:
+    async def collect_garbage(self, live_snapshots: LiveSnapshots) -> list[str]:
         """Free the disk layers of deleted snapshots. Whether a layer is used is read from the
         snapshot directories themselves (their ``upper.ext4`` links), which also covers snapshots
         being written right now; ``live_snapshots`` is not needed."""
