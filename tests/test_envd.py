@@ -944,6 +944,31 @@ def test_envd_imports_stay_lean() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_running_envd_maps_no_unused_libraries(envd: Envd) -> None:
+    """Every mapped library and imported module is in each checkpoint image (agentenv.envd.lean):
+    the running envd has neither pyqwest (connectrpc's HTTP client) nor websockets mapped; at
+    start-up no ctypes (loaded on the first watch; this module's envd has watched already) and
+    none of uvicorn's command line and process supervisors."""
+    maps = Path(f"/proc/{envd.proc.pid}/maps").read_text()
+    for library in ("_pyqwest", "websockets"):
+        assert library not in maps, library
+    probe = (
+        "import sys\n"
+        "from agentenv.envd import lean\n"
+        "lean.defer_http_client()\n"
+        "lean.uvicorn_server()\n"
+        "import agentenv.envd.app, uvicorn.lifespan.on, uvicorn.protocols.http.h11_impl\n"
+        "unused = ('pyqwest._pyqwest', 'click', 'multiprocessing', 'uvicorn.main', 'websockets', 'ctypes')\n"
+        "print([m for m in unused if m in sys.modules])\n"
+        # Deferred, not removed: whoever really uses them gets the real modules.
+        "import pyqwest, uvicorn\n"
+        "assert pyqwest.Headers().__class__.__module__.startswith('pyqwest'), pyqwest.Headers\n"
+        "assert callable(uvicorn.run) and 'uvicorn.main' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_envd_version_matches_the_control_plane() -> None:
     from agentenv.config import ENVD_PORT as CONFIG_PORT
     from agentenv.config import ENVD_VERSION as CONFIG_VERSION

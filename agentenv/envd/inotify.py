@@ -7,15 +7,18 @@ root, and for directories created (or moved in) later.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agentenv.envd.proto.filesystem_pb import EventType
 from agentenv.envd.tempnames import parse_temp_upload_name
+
+if TYPE_CHECKING:
+    import ctypes
 
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
@@ -49,6 +52,10 @@ _libc: ctypes.CDLL | None = None
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
+        # Imported on the first watch only: ctypes maps _ctypes and libffi into envd, which then
+        # sit in every checkpoint image of sandboxes that never watch a directory.
+        import ctypes
+
         # The interpreter already links libc: look the symbols up there rather than via
         # ctypes.util.find_library, which runs ldconfig/gcc (slow under gVisor, absent in templates).
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -60,6 +67,8 @@ def _lib() -> ctypes.CDLL:
 
 def _check(result: int, what: str) -> int:
     if result < 0:
+        import ctypes  # loaded by _lib() already
+
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
     return result

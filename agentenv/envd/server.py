@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
+import sys
 
-import uvicorn
-
-from agentenv.envd.app import create_app
+from agentenv.envd import lean
 from agentenv.envd.settings import parse_settings
+
+#: uvicorn's exit status when the server could not start (uvicorn.config.STARTUP_FAILURE).
+STARTUP_FAILURE = 3
 
 
 def poll_loop() -> asyncio.AbstractEventLoop:
@@ -21,12 +24,20 @@ def poll_loop() -> asyncio.AbstractEventLoop:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
-    app = create_app(settings)
-    uvicorn.run(
-        app,
+    # envd's memory is in every checkpoint image: keep what it never uses out (lean.py), before
+    # anything imports connectrpc or uvicorn.
+    lean.defer_http_client()
+    config_class, server_class = lean.uvicorn_server()
+    from agentenv.envd.app import create_app
+
+    config = config_class(
+        create_app(settings),
         host=settings.host,
         port=settings.port,
         http="h11",
+        # envd has no WebSocket routes; "auto" would import the websockets package and its C
+        # extension into every sandbox's memory image.
+        ws="none",
         loop="agentenv.envd.server:poll_loop",
         lifespan="on",
         log_level=settings.log_level,
@@ -35,3 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         # Process and watch streams stay open indefinitely; don't let them hold a shutdown up.
         timeout_graceful_shutdown=3,
     )
+    # What uvicorn.run does for one process without reload.
+    server = server_class(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)

@@ -67,13 +67,15 @@ DYNLOAD_PRUNE = re.compile(r"^(_test|_ctypes_test|_tkinter|xxlimited|_xxtestfuzz
 GLIBC_LIBS = re.compile(r"^(ld-linux|libc\.so|libm\.so|libpthread\.so|libdl\.so|librt\.so|libutil\.so)")
 #: Loaded by glibc with dlopen (thread cancellation/exit unwinding), so ldd cannot see it.
 DLOPENED_LIBS = ("libgcc_s.so.1",)
-#: Imported by uvicorn only when the server starts (import_from_string / lazy protocol loading).
+#: Imported only when the server starts (uvicorn's import_from_string / lazy protocol loading), or
+#: only on a rare path: pyqwest stays on disk for connectrpc's gRPC code but is not loaded at
+#: start-up (agentenv.envd.lean). No websockets: envd runs uvicorn with ``ws="none"``.
 RUNTIME_LAZY_MODULES = (
     "uvicorn.protocols.http.h11_impl",
-    "uvicorn.protocols.websockets.auto",
     "uvicorn.lifespan.on",
     "uvicorn.loops.asyncio",
     "uvicorn.loops.auto",
+    "pyqwest",
 )
 
 
