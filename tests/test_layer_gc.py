@@ -68,3 +68,16 @@ async def test_a_snapshot_committed_while_a_collection_waits_is_not_missed(tmp_p
         (sandbox_dir / "layers.json").unlink()
     assert await collection == []
     assert runtime.layers.exists(layer)
+
+
+def test_disk_used_counts_the_layers_under_the_upper(tmp_path: Path) -> None:
+    """A snapshot seals what a sandbox wrote into a layer: it still counts as the sandbox's."""
+    runtime = GvisorRuntime(Settings(data_dir=tmp_path / "data"))
+    upper = runtime.settings.data_dir / "upper-big"
+    upper.mkdir(parents=True)
+    (upper / "big").write_bytes(b"x" * (1 << 20))
+    layer = runtime.layers.adopt(upper)
+    root = write_sandbox(runtime, "sbx", [layer])
+    (root / "upper").mkdir()
+    (root / "upper" / "small").write_bytes(b"y" * 4096)
+    assert runtime._disk_used("sbx") >= (1 << 20) + 4096

@@ -119,6 +119,7 @@ class GvisorRuntime(Runtime):
         #: Held while a chain is mounted or layers are collected, so a collection never frees a
         #: layer a restore is about to stand on.
         self.layer_lock = asyncio.Lock()
+        self._layer_bytes: dict[str, int] = {}
 
     # -- availability -------------------------------------------------------------------------
 
@@ -458,11 +459,21 @@ class GvisorRuntime(Runtime):
         if cpu_pct is None:  # first sample: measure over a short window
             await asyncio.sleep(0.1)
             cpu_pct = self._cpu.percent(sid, _read_int(cpu_usage) / 1e9, vcpus) or 0.0
-        disk_used = await asyncio.to_thread(disk_usage, self.paths(sid).upper)
+        disk_used = await asyncio.to_thread(self._disk_used, sid)
         return SandboxMetrics(
             cpu_count=vcpus, cpu_used_pct=round(cpu_pct, 2), mem_used=mem_used, mem_total=mem_total,
             disk_used=disk_used, disk_total=int(instance.state.get("disk_mb", 4096)) << 20,
         )
+
+    def _disk_used(self, sandbox_id: str) -> int:
+        """What the sandbox wrote: its upper plus the snapshot layers under it (each layer is
+        sealed, so its size is measured once)."""
+        used = disk_usage(self.paths(sandbox_id).upper)
+        for layer_id in self.sandbox_layers(sandbox_id):
+            if layer_id not in self._layer_bytes and self.layers.exists(layer_id):
+                self._layer_bytes[layer_id] = self.layers.disk_usage(layer_id)
+            used += self._layer_bytes.get(layer_id, 0)
+        return used
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         found: set[str] = set()
@@ -502,6 +513,8 @@ class GvisorRuntime(Runtime):
             for sandbox_dir in sandboxes.iterdir() if sandboxes.is_dir() else []:
                 in_use |= set(self.sandbox_layers(sandbox_dir.name))
             removed: list[str] = await asyncio.to_thread(self.layers.gc, in_use)
+        for layer_id in removed:
+            self._layer_bytes.pop(layer_id, None)
         if removed:
             log.info("freed disk layers %s", ", ".join(removed))
         return removed
