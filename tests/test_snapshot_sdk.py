@@ -308,6 +308,33 @@ def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_ser
 POOLED = " ready in "
 
 
+def test_deep_snapshot_chains_are_squashed(agentenv_server: ServerProcess) -> None:
+    """Past MAX_CHAIN layers the oldest are merged into one; files written, overwritten and
+    deleted across the rounds (whiteouts) come out as they were."""
+    from agentenv.runtime.gvisor.checkpoint import MAX_CHAIN
+
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.files.write("/home/user/keep.txt", "kept")
+        last = None
+        for i in range(MAX_CHAIN + 2):
+            sbx.commands.run(f"rm -f /home/user/round-{i - 1}; echo {i} > /home/user/round-{i}; "
+                             f"echo {i} > /home/user/counter")
+            last = sbx.create_snapshot()
+        assert last is not None
+        chain = snapshot_layers(agentenv_server, last.snapshot_id)
+        assert len(chain) <= MAX_CHAIN
+        child = Sandbox.create(last.snapshot_id, timeout=120)
+        try:
+            # A glob, not ls: coreutils' statx(AT_NO_AUTOMOUNT) is EINVAL on this runsc.
+            result = child.commands.run("cd /home/user && echo round-* && cat counter keep.txt")
+            assert result.stdout.split() == [f"round-{MAX_CHAIN + 1}", str(MAX_CHAIN + 1), "kept"]
+        finally:
+            child.kill()
+    finally:
+        sbx.kill()
+
+
 def wait_for_log(server: ServerProcess, text: str, count: int = 1, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while server.log_tail(1 << 20).count(text) < count:

@@ -155,21 +155,27 @@ class SnapshotService:
             envd_access_token=rec.envd_access_token,
         )
 
+    async def _write_snapshot(self, runtime: Runtime, instance: SandboxInstance, *, stop: bool) -> str:
+        """Snapshot ``instance`` into a temp dir and commit it by rename; returns its id. The
+        caller records it: a crash before that leaves a directory the start-up sweep removes."""
+        snapshot_id = new_snapshot_id()
+        temp = storage.temp_ref(self.orch.settings.data_dir, snapshot_id)
+        try:
+            await runtime.snapshot(instance, temp, stop=stop)
+            await asyncio.to_thread(storage.commit_dir, self.orch.settings.data_dir, temp)
+        except BaseException:
+            await asyncio.to_thread(storage.remove_dir, temp.path)
+            raise
+        return snapshot_id
+
     async def _take(
         self, rec: SandboxRecord, kind: str, *, stop: bool, name: str | None = None
     ) -> SnapshotRow:
         """Snapshot ``rec`` (caller holds its lock) and commit it; returns the registry row."""
         assert rec.instance is not None
         store = await self.store()
-        snapshot_id = new_snapshot_id()
-        temp = storage.temp_ref(self.orch.settings.data_dir, snapshot_id)
         started = time.monotonic()
-        try:
-            await self.orch.runtime_for(rec).snapshot(rec.instance, temp, stop=stop)
-            await asyncio.to_thread(storage.commit_dir, self.orch.settings.data_dir, temp)
-        except BaseException:
-            await asyncio.to_thread(storage.remove_dir, temp.path)
-            raise
+        snapshot_id = await self._write_snapshot(self.orch.runtime_for(rec), rec.instance, stop=stop)
         row = SnapshotRow(
             snapshot_id=snapshot_id, kind=kind, source_sandbox_id=rec.sandbox_id, runtime=rec.runtime,
             template_id=rec.template_id, created_at=utcnow(), name=name,
@@ -473,14 +479,7 @@ class SnapshotService:
         started = time.monotonic()
         instance = await runtime.create(spec)
         try:
-            snapshot_id = new_snapshot_id()
-            temp = storage.temp_ref(self.orch.settings.data_dir, snapshot_id)
-            try:
-                await runtime.snapshot(instance, temp, stop=True)
-                await asyncio.to_thread(storage.commit_dir, self.orch.settings.data_dir, temp)
-            except BaseException:
-                await asyncio.to_thread(storage.remove_dir, temp.path)
-                raise
+            snapshot_id = await self._write_snapshot(runtime, instance, stop=True)
             row = SnapshotRow(
                 snapshot_id=snapshot_id, kind=TEMPLATE_KIND, source_sandbox_id=spec.sandbox_id,
                 runtime=runtime.name, template_id=image.template_id, created_at=utcnow(), name=key,
