@@ -39,6 +39,15 @@ def test_run_stdout_stderr_exit_code(sbx: Sandbox) -> None:
     assert sbx.commands.run("whoami").stdout.strip() == "user"
 
 
+def test_coreutils_ls_and_stat_work(sbx: Sandbox) -> None:
+    """coreutils pass AT_NO_AUTOMOUNT to statx, which runsc 2022-12 rejects (EINVAL) unless the
+    sandbox's statx wrapper drops it."""
+    sbx.files.write("/home/user/listed.txt", "x")
+    result = sbx.commands.run("ls -la /home/user/ && stat -c '%s %U' /home/user/listed.txt && ls /tmp")
+    assert "listed.txt" in result.stdout
+    assert "1 user" in result.stdout
+
+
 def test_streaming_callbacks(sbx: Sandbox) -> None:
     seen: list[tuple[str, float]] = []
     r = sbx.commands.run(

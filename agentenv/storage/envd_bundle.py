@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import ENVD_PORT, Settings
+from agentenv.storage import compat_libs
+from agentenv.storage.compat_libs import build_statx_compat
 
 #: Where runtimes mount the bundle inside a sandbox.
 MOUNT_POINT = "/.agentenv"
@@ -112,6 +114,7 @@ def bundle_hash(py: HostPython | None = None) -> str:
     h = hashlib.sha256()
     h.update(f"format={BUNDLE_FORMAT}\n".encode())
     h.update(Path(__file__).read_bytes())
+    h.update(Path(compat_libs.__file__).read_bytes())
     st = py.executable.stat()
     h.update(f"{py.executable}:{st.st_size}:{st.st_mtime_ns}:{sys.version}\n".encode())
     src = envd_source_dir()
@@ -214,6 +217,7 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
     shutil.copy2(py.executable, dest / "bin" / "python3")
     libs = _copy_shared_libraries(dest)
     _relocate_elves(dest)
+    build_statx_compat(dest / "lib")  # after the relocation: a preload library keeps its paths
     _write_launcher(dest)
     _compile(stdlib_dest)
     return {

@@ -43,6 +43,7 @@ from agentenv.runtime.base import (
     TemplateImage,
 )
 from agentenv.runtime.network import SandboxNetwork
+from agentenv.storage.compat_libs import STATX_COMPAT
 from agentenv.storage.envd_bundle import (
     MOUNT_POINT,
     build_envd_bundle,
@@ -258,6 +259,9 @@ class GvisorRuntime(Runtime):
     ) -> dict[str, Any]:
         """The OCI runtime config.json of a sandbox."""
         env = envd_env(spec.envs)
+        if (envd_bundle / "lib" / STATX_COMPAT).is_file():
+            # Inherited by every process envd starts: coreutils' statx works on this runsc.
+            env["LD_PRELOAD"] = f"{MOUNT_POINT}/lib/{STATX_COMPAT}"
         if spec.envd_access_token:
             env["AGENTENV_ENVD_ACCESS_TOKEN"] = spec.envd_access_token
         tpl = spec.template
