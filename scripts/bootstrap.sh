@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(runsc debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
-  erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils)
+  erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils gcc libc6-dev)
 
 need=()
 want=("${APT_PACKAGES[@]}")
