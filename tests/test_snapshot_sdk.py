@@ -396,6 +396,31 @@ def test_template_create_claims_warm_pool_sandboxes(pooled_server: ServerProcess
         assert wait_no_host_resources(sbx.sandbox_id) == []
 
 
+def test_private_traffic_is_kept_by_pooled_and_snapshot_creates(pooled_server: ServerProcess) -> None:
+    """A create asking for private traffic gets a traffic token whichever way it is made."""
+    opts = sdk_opts(pooled_server)
+    wait_for_log(pooled_server, POOLED, count=1)
+    private = {"allow_public_traffic": False}
+    pooled = Sandbox.create("base", timeout=120, network=private, **opts)  # type: ignore[arg-type]
+    snap = pooled.create_snapshot()
+    restored = Sandbox.create(snap.snapshot_id, timeout=120, network=private, **opts)  # type: ignore[arg-type]
+    try:
+        assert "warm pool" in sandbox_log_messages(pooled_server, pooled.sandbox_id)
+        for sbx in (pooled, restored):
+            token = sbx.traffic_access_token
+            assert token
+            headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+            refused = httpx.get(f"{pooled_server.url}/", headers=headers, timeout=30)
+            assert refused.status_code == 403, refused.text
+            admitted = httpx.get(f"{pooled_server.url}/", timeout=30,
+                                 headers={**headers, "e2b-traffic-access-token": token})
+            assert admitted.status_code != 403  # past the token check (nothing listens on 8000)
+    finally:
+        restored.kill()
+        pooled.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id, **opts)
+
+
 def test_server_stop_leaves_no_pooled_sandbox(pooled_server: ServerProcess) -> None:
     wait_for_log(pooled_server, POOLED, count=2)
     pooled = re.findall(r"(\S+) ready in ", pooled_server.log_tail(1 << 20))

@@ -76,13 +76,10 @@ async def _create(request: Request, body: NewSandbox, service: SnapshotService, 
         return await routes_sandboxes._create(
             request, _orch(request), body, secure=secure, idempotency_key=idempotency_key
         )
-    rec = await service.create_from_snapshot(
-        row,
-        timeout_seconds=_timeout(body.timeout if body.timeout is not None
-                                 else _orch(request).settings.default_timeout_seconds),
-        metadata=body.metadata, envs=body.env_vars,
-        secure=secure, allow_internet_access=body.allow_internet_access, auto_pause=body.auto_pause,
+    req = routes_sandboxes._create_request(
+        body, secure=secure, default_timeout=_orch(request).settings.default_timeout_seconds
     )
+    rec = await service.create_from_snapshot(row, req)
     return JSONResponse(routes_sandboxes.sandbox_body(rec, routes_sandboxes.public_domain(request)),
                         status_code=201)
 

@@ -300,29 +300,15 @@ class SnapshotService:
         await self.collect_garbage()
         return True
 
-    async def create_from_snapshot(
-        self, row: SnapshotRow, *, timeout_seconds: int, metadata: dict[str, str] | None,
-        envs: dict[str, str] | None, secure: bool, allow_internet_access: bool | None,
-        auto_pause: bool = False,
-    ) -> SandboxRecord:
+    async def create_from_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
         """A new sandbox with the memory and disk of ``row`` (shielded, like a create)."""
-        task = asyncio.ensure_future(self._restore_new(
-            row, timeout_seconds=timeout_seconds, metadata=metadata, envs=envs, secure=secure,
-            allow_internet_access=allow_internet_access, auto_pause=auto_pause,
-        ))
-        return await asyncio.shield(task)
+        return await asyncio.shield(asyncio.ensure_future(self._restore_new(row, req)))
 
     async def _restore_new(
-        self, row: SnapshotRow, *, timeout_seconds: int, metadata: dict[str, str] | None,
-        envs: dict[str, str] | None, secure: bool, allow_internet_access: bool | None,
-        auto_pause: bool, template_id: str | None = None,
+        self, row: SnapshotRow, req: CreateRequest, template_id: str | None = None
     ) -> SandboxRecord:
         store = await self.store()
-        rec = self._new_record(
-            row, new_sandbox_id(), timeout_seconds=timeout_seconds, metadata=metadata, envs=envs,
-            secure=secure, allow_internet_access=allow_internet_access, auto_pause=auto_pause,
-            template_id=template_id,
-        )
+        rec = self._new_record(row, new_sandbox_id(), req, template_id)
         source_template = TemplateImage(
             template_id=row.template_id, rootfs=_rootfs(row.info), vcpus=rec.cpu_count,
             memory_mb=rec.memory_mb, disk_mb=rec.disk_mb,
@@ -337,18 +323,17 @@ class SnapshotService:
             except BaseException as exc:
                 await self.orch._abort_create(rec, runtime, exc)
                 raise_creation_failure(exc, f"restore from {row.snapshot_id}")
-            await self._go_live(rec, timeout_seconds)
+            await self._go_live(rec, req.timeout_seconds)
         await self.orch.log_event(rec.sandbox_id, "info", f"sandbox restored from {row.snapshot_id}",
                                   duration_ms=_ms(started))
         return rec
 
     def _new_record(
-        self, row: SnapshotRow, sandbox_id: str, *, timeout_seconds: int, metadata: dict[str, str] | None,
-        envs: dict[str, str] | None, secure: bool, allow_internet_access: bool | None, auto_pause: bool,
-        template_id: str | None,
+        self, row: SnapshotRow, sandbox_id: str, req: CreateRequest, template_id: str | None
     ) -> SandboxRecord:
         """The registry row of a sandbox made from ``row``: a user snapshot's sandboxes carry its
-        id as their template; a template snapshot's carry the template's id."""
+        id as their template; a template snapshot's carry the template's id. Metadata and env vars
+        default to the snapshot's; envd in the image keeps the source's access token, if any."""
         from agentenv.orchestrator.ids import new_access_token
 
         now = utcnow()
@@ -357,13 +342,15 @@ class SnapshotService:
             sandbox_id=sandbox_id, template_id=template_id or row.snapshot_id,
             alias=template_id or row.name or row.snapshot_id,
             client_id=CLIENT_ID, state="creating", started_at=now,
-            end_at=now + dt.timedelta(seconds=timeout_seconds),
+            end_at=now + dt.timedelta(seconds=req.timeout_seconds),
             cpu_count=int(info.get("cpu_count", 2)), memory_mb=int(info.get("memory_mb", 512)),
             disk_mb=int(info.get("disk_mb", 4096)), runtime=row.runtime, envd_version=_envd_version(),
-            metadata=metadata if metadata is not None else dict(info.get("metadata") or {}),
-            envs={**dict(info.get("envs") or {}), **(envs or {})},
-            envd_access_token=info.get("envd_access_token") or (new_access_token() if secure else None),
-            allow_internet_access=allow_internet_access, auto_pause=auto_pause,
+            metadata=dict(req.metadata or info.get("metadata") or {}),
+            envs={**dict(info.get("envs") or {}), **req.envs},
+            envd_access_token=info.get("envd_access_token") or (new_access_token() if req.secure else None),
+            traffic_access_token=None if req.allow_public_traffic else new_access_token(),
+            allow_internet_access=req.allow_internet_access, auto_pause=req.auto_pause,
+            auto_resume=req.auto_resume, network=dict(req.network or {}),
             extra={"restored_from": row.snapshot_id},
         )
 
@@ -411,11 +398,7 @@ class SnapshotService:
                 if claimed is not None:
                     return claimed
         try:
-            return await self._restore_new(
-                row, timeout_seconds=req.timeout_seconds, metadata=req.metadata, envs=req.envs,
-                secure=req.secure, allow_internet_access=req.allow_internet_access,
-                auto_pause=req.auto_pause, template_id=info.image.template_id,
-            )
+            return await self._restore_new(row, req, template_id=info.image.template_id)
         except OrchestratorError as exc:
             if exc.code < 500:
                 raise
@@ -428,11 +411,7 @@ class SnapshotService:
     ) -> SandboxRecord | None:
         """Hand a pooled sandbox to a create: its row, then envd ``/init`` with the caller's env
         vars and access token. None when the pooled sandbox turned out unusable (it is removed)."""
-        rec = self._new_record(
-            row, instance.sandbox_id, timeout_seconds=req.timeout_seconds, metadata=req.metadata,
-            envs=req.envs, secure=req.secure, allow_internet_access=req.allow_internet_access,
-            auto_pause=req.auto_pause, template_id=template_id,
-        )
+        rec = self._new_record(row, instance.sandbox_id, req, template_id)
         rec.instance = instance
         rec.extra["warm_pool"] = True
         started = time.monotonic()
@@ -599,16 +578,22 @@ class SnapshotService:
     ) -> ForkOutcome:
         async with gate:
             try:
-                child = await self._restore_new(
-                    row, timeout_seconds=timeout_seconds, metadata=dict(parent.metadata),
-                    envs=None, secure=parent.envd_access_token is not None,
-                    allow_internet_access=parent.allow_internet_access, auto_pause=False,
-                )
+                child = await self._restore_new(row, _child_request(row, parent, timeout_seconds))
                 return ForkOutcome(child, None)
             except OrchestratorError as exc:
                 return ForkOutcome(None, exc)
             except Exception as exc:
                 return ForkOutcome(None, OrchestratorError(500, str(exc)))
+
+
+def _child_request(row: SnapshotRow, parent: SandboxRecord, timeout_seconds: int) -> CreateRequest:
+    """A fork child is made like its parent: same metadata, network and traffic policy."""
+    return CreateRequest(
+        template_id=row.snapshot_id, timeout_seconds=timeout_seconds, metadata=dict(parent.metadata),
+        envs={}, secure=parent.envd_access_token is not None,
+        allow_internet_access=parent.allow_internet_access,
+        allow_public_traffic=parent.traffic_access_token is None, network=dict(parent.network or {}),
+    )
 
 
 def _rootfs(info: dict[str, Any]) -> Any:
