@@ -129,21 +129,24 @@ def assert_counter_runs(sbx: Sandbox) -> None:
 # -- server restarts ----------------------------------------------------------------------------
 
 
-@pytest.fixture()
-def private_server() -> Iterator[ServerProcess]:
-    """A server of our own (tests restart and kill -9 it)."""
+def own_server(prefix: str, extra_env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A server of a test's own in a throw-away data dir; its sandboxes are killed afterwards."""
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    with tempfile.TemporaryDirectory(prefix="agentenv-snap-") as tmp:
-        server = start_server(Path(tmp) / "data")
-        holder = [server]
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        server = start_server(Path(tmp) / "data", extra_env=extra_env)
         try:
             yield server
         finally:
-            live = holder[0]
-            kill_all_sandboxes(live)
-            live.stop()
+            kill_all_sandboxes(server)
+            server.stop()
+
+
+@pytest.fixture()
+def private_server() -> Iterator[ServerProcess]:
+    """A server of our own (tests restart and kill -9 it)."""
+    yield from own_server("agentenv-snap-")
 
 
 def sdk_opts(server: ServerProcess) -> dict[str, str]:
@@ -354,19 +357,10 @@ def sandbox_log_messages(server: ServerProcess, sandbox_id: str) -> str:
 @pytest.fixture()
 def pooled_server() -> Iterator[ServerProcess]:
     """A server that snapshots ``base`` at start-up and keeps 1-2 restored sandboxes ready."""
-    reason = base_template_missing()
-    if reason:
-        pytest.skip(reason)
-    with tempfile.TemporaryDirectory(prefix="agentenv-pool-") as tmp:
-        server = start_server(Path(tmp) / "data", extra_env={
-            "AGENTENV_WARM_POOL_TEMPLATES": '["base"]', "AGENTENV_WARM_POOL_LOW": "1",
-            "AGENTENV_WARM_POOL_HIGH": "2",
-        })
-        try:
-            yield server
-        finally:
-            kill_all_sandboxes(server)
-            server.stop()
+    yield from own_server("agentenv-pool-", {
+        "AGENTENV_WARM_POOL_TEMPLATES": '["base"]', "AGENTENV_WARM_POOL_LOW": "1",
+        "AGENTENV_WARM_POOL_HIGH": "2",
+    })
 
 
 def test_template_create_claims_warm_pool_sandboxes(pooled_server: ServerProcess) -> None:

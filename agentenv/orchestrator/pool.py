@@ -35,9 +35,6 @@ RETRY_SECONDS = 5.0
 class _Pool:
     ready: list[SandboxInstance] = field(default_factory=list)
     filler: asyncio.Task[None] | None = None
-    made: int = 0
-    claimed: int = 0
-    failures: int = 0
 
 
 class WarmPool:
@@ -59,8 +56,6 @@ class WarmPool:
         """A ready sandbox for ``key`` (removed from the pool), or None; refills below ``low``."""
         pool = self._pools.setdefault(key, _Pool())
         instance = pool.ready.pop(0) if pool.ready else None
-        if instance is not None:
-            pool.claimed += 1
         if len(pool.ready) < self.low or not pool.ready:
             self.fill(key)
         return instance
@@ -81,7 +76,6 @@ class WarmPool:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                pool.failures += 1
                 log.warning("warm pool %s: making a sandbox failed: %s", key, exc)
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
@@ -89,15 +83,8 @@ class WarmPool:
                 await self._kill(instance)
                 return
             pool.ready.append(instance)
-            pool.made += 1
             log.info("warm pool %s: %s ready in %.0f ms (%d/%d)", key, instance.sandbox_id,
                      (time.monotonic() - started) * 1000, len(pool.ready), self.high)
-
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {
-            key: {"ready": len(p.ready), "made": p.made, "claimed": p.claimed, "failures": p.failures}
-            for key, p in self._pools.items()
-        }
 
     async def drop(self, key: str) -> None:
         """Kill every ready sandbox of ``key`` (its template snapshot is stale)."""

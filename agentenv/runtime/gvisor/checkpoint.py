@@ -247,7 +247,6 @@ async def snapshot(runtime: GvisorRuntime, instance: SandboxInstance, dest: Snap
     timings["checkpoint_ms"] = _ms(t)
     t = time.monotonic()
     chain = await seal_upper(runtime, sid)
-    instance.state["layers"] = chain
     _write_meta(dest.path, instance, chain)
     timings["disk_seal_ms"] = _ms(t)
     if not stop:
@@ -317,7 +316,6 @@ async def restore(runtime: GvisorRuntime, spec: SandboxSpec, source: SnapshotRef
         timings["disk_ms"] = _ms(t)
         runtime.write_oci_bundle(sid, runtime.oci_spec(spec, net, rootfs, envd_bundle))
         instance = runtime.instance_for(spec, net, envd_bundle)
-        instance.state["layers"] = runtime.sandbox_layers(sid)
         t = time.monotonic()
         await restore_container(runtime, sid, source.path / MEMORY_DIR, net)
         timings["runsc_restore_ms"] = _ms(t)
