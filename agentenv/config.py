@@ -1,22 +1,60 @@
 """Process-wide settings, read from ``AGENTENV_*`` environment variables.
 
-Every value has a zero-configuration default so that a single node works out of the box.
+Every value has a zero-configuration default so that a single node works out of the box. Each
+runtime's own settings are nested under its name (``AGENTENV_GVISOR__PLATFORM=systrap``); the
+settings object is built once (the CLI, tests) and handed to whatever needs it: nothing below
+reads the environment on its own.
+
+Imports nothing of the project.
 """
 
 from __future__ import annotations
 
 import secrets
-from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
+from pydantic import BaseModel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-ENVD_PORT = 49983
-ENVD_VERSION = "0.6.4"
+RuntimeChoice = Literal["auto", "gvisor", "qemu", "firecracker"]
+RunscPlatform = Literal["auto", "ptrace", "systrap", "kvm"]
+
+
+class GvisorSettings(BaseModel):
+    runsc_path: str = "runsc"
+    #: ``auto`` measures which platform starts a sandbox here (kvm only with vmx/svm).
+    platform: RunscPlatform = "auto"
+
+
+class QemuSettings(BaseModel):
+    qemu_path: str = "qemu-system-x86_64"
+    #: ``auto``: KVM when /dev/kvm can boot guests, else TCG.
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+
+
+class FirecrackerSettings(BaseModel):
+    firecracker_path: str = "firecracker"
+    #: Run guests under PVM (KVM without vmx/svm): needs a PVM-enabled host kernel,
+    #: a PVM build of firecracker and a PVM guest kernel (docs/KVM.md).
+    pvm: bool = False
+    pvm_binary: str = "firecracker-pvm"
+    #: Guest kernel for PVM mode (an uncompressed vmlinux built with CONFIG_PVM_GUEST).
+    pvm_kernel: Path | None = None
+    #: Guest kernel for ordinary KVM mode; None: the one `agentenv image build` produced.
+    kernel: Path | None = None
+    #: Serve guest memory of restored snapshots through userfaultfd instead of a private file mapping.
+    uffd: bool = False
+    #: Seconds to wait for the API socket and for envd after InstanceStart.
+    boot_timeout: float = 30.0
+
+    @property
+    def binary(self) -> str:
+        return self.pvm_binary if self.pvm else self.firecracker_path
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="AGENTENV_")
+    model_config = SettingsConfigDict(env_prefix="AGENTENV_", env_nested_delimiter="__")
 
     host: str = "127.0.0.1"
     port: int = 3000
@@ -25,16 +63,15 @@ class Settings(BaseSettings):
     #: API keys accepted in ``X-API-Key``. Empty means: generate one at start-up and print it.
     api_keys: list[str] = []
     #: ``auto`` picks firecracker when KVM with vmx/svm and a binary exist, else gvisor.
-    runtime: str = "auto"
+    runtime: RuntimeChoice = "auto"
+    gvisor: GvisorSettings = GvisorSettings()
+    qemu: QemuSettings = QemuSettings()
+    firecracker: FirecrackerSettings = FirecrackerSettings()
     #: Domain used for ``{port}-{sandbox_id}.{domain}`` Host routing.
     domain: str = "localhost"
     #: Subnet sandboxes get their /30 links from (host side .1, sandbox side .2).
     sandbox_subnet: str = "10.213.0.0/16"
     default_timeout_seconds: int = 300
-    runsc_path: str = "runsc"
-    runsc_platform: str = "auto"
-    firecracker_path: str = "firecracker"
-    qemu_path: str = "qemu-system-x86_64"
     #: Where built templates live (default ``{data_dir}/templates``); lets a throw-away data
     #: directory (tests) use the shared, cached templates without copying them.
     templates_path: Path | None = None
@@ -68,8 +105,3 @@ class Settings(BaseSettings):
             key_file.write_text("e2b_" + secrets.token_hex(20) + "\n")
             key_file.chmod(0o600)
         return [key_file.read_text().strip()]
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    return Settings()

@@ -26,7 +26,8 @@ import pytest
 import pytest_asyncio
 
 from agentenv.config import Settings
-from agentenv.runtime.base import Runtime, SandboxInstance, SandboxSpec, TemplateImage
+from agentenv.runtime.base import Runtime
+from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
 
 SHARED_TEMPLATES = Path(os.environ.get("AGENTENV_TEMPLATES_PATH", "/var/lib/agentenv/templates"))
 

@@ -28,7 +28,8 @@ import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 
-from agentenv.config import ENVD_PORT, Settings
+from agentenv.config import Settings
+from agentenv.types import ENVD_PORT
 from agentenv.orchestrator.ids import SANDBOX_ID_LOOSE_RE, normalise_sandbox_id
 from agentenv.orchestrator.service import Orchestrator, Route
 

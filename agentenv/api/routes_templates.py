@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse
 from agentenv.api.auth import require_api_key
 from agentenv.api.errors import ApiError
 from agentenv.api.schemas import Template
-from agentenv.config import ENVD_VERSION, Settings
+from agentenv.config import Settings
+from agentenv.types import ENVD_VERSION
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.templates import TemplateInfo
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from agentenv.runtime.base import SandboxInstance
+from agentenv.types import SandboxInstance
 
 log = logging.getLogger(__name__)
 

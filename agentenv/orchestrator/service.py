@@ -40,19 +40,14 @@ from typing import NoReturn
 
 import httpx
 
-from agentenv.config import ENVD_VERSION, Settings
+from agentenv.config import Settings
+from agentenv.types import ENVD_VERSION
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.runtimes import runtime_by_name
 from agentenv.orchestrator.store import LIVE_STATES, ListQuery, LogLine, SandboxRecord, SandboxStore
-from agentenv.runtime.base import (
-    Runtime,
-    RuntimeError_,
-    SandboxInstance,
-    SandboxMetrics,
-    SandboxSpec,
-    TemplateImage,
-)
+from agentenv.runtime.base import Runtime, RuntimeError_
+from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, TemplateImage
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from agentenv.orchestrator.service import (
     utcnow,
 )
 from agentenv.orchestrator.store import SandboxRecord
-from agentenv.runtime.base import Runtime, SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
+from agentenv.runtime.base import Runtime
+from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.storage import snapshots as storage
 from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
 
@@ -606,7 +607,7 @@ def _rootfs(info: dict[str, Any]) -> Any:
 
 
 def _envd_version() -> str:
-    from agentenv.config import ENVD_VERSION
+    from agentenv.types import ENVD_VERSION
 
     return ENVD_VERSION
 

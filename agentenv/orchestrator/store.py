@@ -20,7 +20,7 @@ from typing import Any
 
 import aiosqlite
 
-from agentenv.runtime.base import SandboxInstance
+from agentenv.types import SandboxInstance
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.runtime.base import TemplateImage
+from agentenv.types import TemplateImage
 from agentenv.storage import templates as storage
 
 

@@ -1,102 +1,40 @@
 """The one interface every isolation runtime (gVisor, Firecracker, QEMU) implements.
 
 The orchestrator owns sandbox records and lifecycle state; a runtime only turns a
-:class:`SandboxSpec` into a running, isolated machine whose envd answers at
-:attr:`SandboxInstance.envd_url`, and tears it down again. Runtimes never import the API.
+:class:`~agentenv.types.SandboxSpec` into a running, isolated machine whose envd answers at
+:attr:`~agentenv.types.SandboxInstance.envd_url`, and tears it down again. Runtimes raise the
+kinds of :mod:`agentenv.errors` (never HTTP statuses) and never import the orchestrator or the API.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-
-class RuntimeError_(Exception):
-    """A runtime operation failed; ``message`` is safe to show to an API client."""
-
-    def __init__(self, message: str, *, code: int = 500) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
-@dataclass(frozen=True)
-class TemplateImage:
-    """What a runtime needs of a template: its read-only root file system and limits."""
-
-    template_id: str
-    #: Read-only base root file system directory (shared by every sandbox of the template).
-    rootfs: Path
-    vcpus: int = 2
-    memory_mb: int = 512
-    disk_mb: int = 4096
-    #: Per-template runtime override ("gvisor", "qemu", "firecracker"), or None for the node default.
-    runtime: str | None = None
-
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    sandbox_id: str
-    template: TemplateImage
-    #: Environment variables for every process envd starts (merged under per-process envs).
-    envs: dict[str, str] = field(default_factory=dict)
-    allow_internet_access: bool = True
-    #: Token envd requires in ``X-Access-Token`` (None: no token, the E2B default for non-secure sandboxes).
-    envd_access_token: str | None = None
-
-
-@dataclass
-class SandboxInstance:
-    """A live sandbox as the runtime left it. ``state`` is runtime-private and JSON-serialisable:
-    the orchestrator persists it so that a restarted server can re-attach or clean up."""
-
-    sandbox_id: str
-    runtime: str
-    #: Base URL at which the host reaches the sandbox's envd, e.g. ``http://10.213.0.2:49983``.
-    envd_url: str
-    #: Address of the sandbox on its private link; ports other than envd's are reached here too.
-    address: str
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SandboxMetrics:
-    cpu_count: int
-    cpu_used_pct: float
-    mem_used: int
-    mem_total: int
-    disk_used: int
-    disk_total: int
-
-
-@dataclass(frozen=True)
-class SnapshotRef:
-    """A snapshot on local disk: ``path`` holds the memory image and the disk layer.
-
-    ``parent`` is the snapshot this one is incremental to (None for a full snapshot)."""
-
-    snapshot_id: str
-    path: Path
-    parent: SnapshotRef | None = None
-
-
-#: Lists the committed snapshots of a runtime (see :meth:`Runtime.collect_garbage`).
-LiveSnapshots = Callable[[], Awaitable[list[SnapshotRef]]]
+from agentenv.config import Settings
+from agentenv.types import (
+    LiveSnapshots,
+    RuntimeName,
+    SandboxInstance,
+    SandboxMetrics,
+    SandboxSpec,
+    SnapshotRef,
+)
 
 
 class Runtime(abc.ABC):
     """A way to run isolated sandboxes on this node."""
 
-    name: ClassVar[str]
+    name: ClassVar[RuntimeName]
 
-    @classmethod
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
     @abc.abstractmethod
-    def probe(cls) -> str | None:
-        """None when this runtime can run here, else the reason it cannot (shown to users)."""
+    def probe(self) -> str | None:
+        """None when this runtime can run here with the settings it was built with, else the
+        reason it cannot (shown to users)."""
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> SandboxInstance:

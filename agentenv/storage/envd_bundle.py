@@ -43,7 +43,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.config import ENVD_PORT, Settings
+from agentenv.config import Settings
+from agentenv.types import ENVD_PORT
 from agentenv.storage import compat_libs
 from agentenv.storage.compat_libs import build_statx_compat
 

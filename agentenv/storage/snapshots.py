@@ -22,7 +22,7 @@ from typing import Any
 
 import aiosqlite
 
-from agentenv.runtime.base import SnapshotRef
+from agentenv.types import SnapshotRef
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.runtime.base import TemplateImage
+from agentenv.types import TemplateImage
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SANDBOX_USER = "user"

@@ -38,17 +38,11 @@ from typing import Any, ClassVar
 
 import psutil
 
-from agentenv.config import ENVD_PORT, Settings, get_settings
+from agentenv.config import Settings, get_settings
+from agentenv.types import ENVD_PORT
 from agentenv.runtime import network
-from agentenv.runtime.base import (
-    CpuSampler,
-    Runtime,
-    RuntimeError_,
-    SandboxInstance,
-    SandboxMetrics,
-    SandboxSpec,
-    SnapshotRef,
-)
+from agentenv.runtime.base import CpuSampler, Runtime, RuntimeError_
+from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 from agentenv.runtime.firecracker import api
 from agentenv.runtime.firecracker.config import FirecrackerSettings
 from agentenv.runtime.firecracker.memory import copy_cow, merge_diff_memory

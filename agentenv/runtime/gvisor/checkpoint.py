@@ -40,9 +40,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentenv.config import ENVD_PORT
+from agentenv.types import ENVD_PORT
 from agentenv.runtime import network
-from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
+from agentenv.runtime.base import RuntimeError_
+from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.network import SandboxNetwork
 
 if TYPE_CHECKING:

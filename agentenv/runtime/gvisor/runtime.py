@@ -29,19 +29,11 @@ from typing import Any, ClassVar
 
 import httpx
 
-from agentenv.config import ENVD_PORT, Settings, get_settings
+from agentenv.config import Settings, get_settings
+from agentenv.types import ENVD_PORT
 from agentenv.runtime import network
-from agentenv.runtime.base import (
-    CpuSampler,
-    LiveSnapshots,
-    Runtime,
-    RuntimeError_,
-    SandboxInstance,
-    SandboxMetrics,
-    SandboxSpec,
-    SnapshotRef,
-    TemplateImage,
-)
+from agentenv.runtime.base import CpuSampler, Runtime, RuntimeError_
+from agentenv.types import LiveSnapshots, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.storage.compat_libs import STATX_COMPAT
 from agentenv.storage.envd_bundle import (

@@ -34,19 +34,11 @@ from typing import Any, ClassVar
 import httpx
 import psutil
 
-from agentenv.config import ENVD_PORT, Settings, get_settings
+from agentenv.config import Settings, get_settings
+from agentenv.types import ENVD_PORT
 from agentenv.runtime import network
-from agentenv.runtime.base import (
-    CpuSampler,
-    LiveSnapshots,
-    Runtime,
-    RuntimeError_,
-    SandboxInstance,
-    SandboxMetrics,
-    SandboxSpec,
-    SnapshotRef,
-    TemplateImage,
-)
+from agentenv.runtime.base import CpuSampler, Runtime, RuntimeError_
+from agentenv.types import LiveSnapshots, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.runtime.qemu import vmnet
 from agentenv.runtime.qemu.qmp import Qmp

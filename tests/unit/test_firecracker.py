@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from agentenv.config import Settings
-from agentenv.runtime.base import SandboxSpec, SnapshotRef, TemplateImage
+from agentenv.types import SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.firecracker import api
 from agentenv.runtime.firecracker.memory import data_ranges, merge_diff_memory
 from agentenv.runtime.firecracker.runtime import (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
-from agentenv.runtime.base import TemplateImage
+from agentenv.types import TemplateImage
 from agentenv.storage.templates import (
     COMPLETE_MARKER,
     TemplateError,

@@ -14,7 +14,8 @@ from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from agentenv.runtime.base import RuntimeError_, SandboxInstance, SandboxSpec, TemplateImage
+from agentenv.runtime.base import RuntimeError_
+from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
 from agentenv.runtime.gvisor.runtime import (
     GvisorRuntime,
     cgroup_exists,

@@ -18,7 +18,7 @@ from e2b.envd.client_shared import ENVD_JSON_CODEC
 from e2b.envd.process import process_connect, process_pb
 
 from agentenv.config import Settings
-from agentenv.runtime.base import SandboxInstance
+from agentenv.types import SandboxInstance
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
 from agentenv.storage.envd_bundle import (
     LOADER_NAME,

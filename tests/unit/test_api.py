@@ -21,7 +21,8 @@ import websockets
 from test_api_helpers import LoopbackRuntime, free_port, write_template
 
 from agentenv.api.app import create_app
-from agentenv.config import ENVD_PORT, Settings
+from agentenv.config import Settings
+from agentenv.types import ENVD_PORT
 from agentenv.orchestrator.ids import SANDBOX_ID_RE
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

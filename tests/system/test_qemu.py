@@ -30,7 +30,7 @@ from e2e_fixtures import ServerProcess, kill_all_sandboxes, start_server
 from packaging.version import Version
 
 from agentenv.config import Settings
-from agentenv.runtime.base import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
+from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from agentenv.runtime.network import netns_name
 from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
 from agentenv.storage import images

@@ -25,7 +25,7 @@ from conftest import SHARED_TEMPLATES, unique_id
 from test_gvisor import leftovers, run
 
 from agentenv.config import Settings
-from agentenv.runtime.base import SandboxInstance, SandboxSpec, TemplateImage
+from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
 
 pytestmark = [

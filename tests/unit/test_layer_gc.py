@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.runtime.base import SnapshotRef
+from agentenv.types import SnapshotRef
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
 
 

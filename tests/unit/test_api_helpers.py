@@ -23,15 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from agentenv.config import ENVD_PORT
-from agentenv.runtime.base import (
-    Runtime,
-    RuntimeError_,
-    SandboxInstance,
-    SandboxMetrics,
-    SandboxSpec,
-    SnapshotRef,
-)
+from agentenv.types import ENVD_PORT
+from agentenv.runtime.base import Runtime, RuntimeError_
+from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 
 
 def free_port() -> int:
