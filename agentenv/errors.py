@@ -47,6 +47,10 @@ class TooLarge(AgentenvError):
     """The request body or a file is over a limit (413)."""
 
 
+class InsufficientStorage(AgentenvError):
+    """The disk is full or over its quota (507; envd's uploads, the SDK's NotEnoughSpaceException)."""
+
+
 class NotSupported(AgentenvError):
     """This node cannot do that at all (no such feature on this runtime) (501)."""
 
@@ -70,6 +74,7 @@ _STATUS: dict[type[AgentenvError], int] = {
     Failed: 500,
     NotSupported: 501,
     Unavailable: 503,
+    InsufficientStorage: 507,
 }
 
 

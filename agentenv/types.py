@@ -17,6 +17,12 @@ from typing import Any, Literal
 ENVD_PORT = 49983
 #: The envd version we report; the SDK gates features on it (e2b/envd/versions.py).
 ENVD_VERSION = "0.6.4"
+#: Environment variable a runtime may hand envd its access token in (instead of ``POST /init``).
+ENVD_ACCESS_TOKEN_ENV = "AGENTENV_ENVD_ACCESS_TOKEN"
+#: The account E2B templates create; envd's default user when a template has it.
+SANDBOX_USER = "user"
+#: PATH of envd and of the processes it starts when nothing else sets one.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 RuntimeName = Literal["gvisor", "qemu", "firecracker"]
 RUNTIME_NAMES: tuple[RuntimeName, ...] = ("gvisor", "qemu", "firecracker")

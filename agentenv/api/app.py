@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Response
 
-from agentenv.api import routes_sandboxes, routes_templates
-from agentenv.api.errors import error_response, install_error_handlers
+from agentenv.api import routes_lifecycle, routes_sandboxes, routes_templates
+from agentenv.api.errors import install_error_handlers
 from agentenv.api.proxy import SandboxProxy
 from agentenv.config import Settings
-from agentenv.orchestrator.runtimes import default_runtime
-from agentenv.orchestrator.service import Orchestrator, OrchestratorError
+from agentenv.orchestrator.lifecycle import Orchestrator, build_orchestrator
 from agentenv.runtime.base import Runtime
+from agentenv.runtime.registry import select_runtime
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +26,6 @@ class Hub:
     def __init__(self, settings: Settings, runtime: Runtime | None) -> None:
         self.settings = settings
         self.runtime = runtime
-        self.runtime_reasons: dict[str, str] = {}
         self._orchestrator: Orchestrator | None = None
         self.proxy: SandboxProxy | None = None
 
@@ -40,9 +37,8 @@ class Hub:
 
     async def start(self) -> Orchestrator:
         if self.runtime is None:
-            self.runtime, self.runtime_reasons = default_runtime(self.settings)
-        self._orchestrator = Orchestrator(self.settings, self.runtime)
-        _install_lifecycle_extensions(self._orchestrator)
+            self.runtime, _ = select_runtime(self.settings)
+        self._orchestrator = build_orchestrator(self.settings, self.runtime)
         await self._orchestrator.start()
         return self._orchestrator
 
@@ -51,24 +47,6 @@ class Hub:
             await self.proxy.aclose()
         if self._orchestrator is not None:
             await self._orchestrator.close()
-
-
-def _optional_module(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
-
-
-def _install_lifecycle_extensions(orch: Orchestrator) -> None:
-    """Pause/resume/snapshots live in ``agentenv.orchestrator.snapshots``; when it exists, its
-    ``install(orchestrator)`` sets ``orchestrator.pause_hook`` / ``resume_hook``."""
-    module = _optional_module("agentenv.orchestrator.snapshots")
-    install = getattr(module, "install", None) if module else None
-    if callable(install):
-        install(orch)
 
 
 def public_domain(settings: Settings) -> str:
@@ -97,21 +75,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.state.public_domain = public_domain(settings)
     install_error_handlers(app)
 
-    async def orchestrator_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, OrchestratorError)
-        return error_response(exc.code, exc.message)
-
-    app.add_exception_handler(OrchestratorError, orchestrator_error)
-
     @app.get("/health", include_in_schema=False)
     async def health() -> Response:
         return Response(status_code=204)
 
-    lifecycle = _optional_module("agentenv.api.routes_lifecycle")
-    if lifecycle is not None and hasattr(lifecycle, "router"):
-        # Registered first: its pause/resume/connect routes take precedence over ours.
-        app.include_router(lifecycle.router)
     app.include_router(routes_sandboxes.router)
+    app.include_router(routes_lifecycle.router)
     app.include_router(routes_templates.router)
 
     def make_proxy(inner: Any) -> SandboxProxy:

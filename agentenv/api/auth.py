@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from agentenv.api.errors import ApiError
+from agentenv.errors import Unauthenticated
 
 
 def presented_key(request: Request) -> str | None:
@@ -33,6 +33,6 @@ async def require_api_key(request: Request) -> None:
     accepted: list[str] = request.app.state.api_keys
     key = presented_key(request)
     if key is None:
-        raise ApiError(401, "missing API key: send it in the X-API-Key header")
+        raise Unauthenticated("missing API key: send it in the X-API-Key header")
     if not check_key(key, accepted):
-        raise ApiError(401, "invalid API key")
+        raise Unauthenticated("invalid API key")

@@ -29,9 +29,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 
 from agentenv.config import Settings
-from agentenv.types import ENVD_PORT
 from agentenv.orchestrator.ids import SANDBOX_ID_LOOSE_RE, normalise_sandbox_id
-from agentenv.orchestrator.service import Orchestrator, Route
+from agentenv.orchestrator.lifecycle import Orchestrator, Route
+from agentenv.types import ENVD_PORT
 
 log = logging.getLogger(__name__)
 

@@ -1,24 +1,22 @@
 """Pause, resume, snapshots and fork (openapi.yml): the E2B lifecycle endpoints.
 
-Registered before ``routes_sandboxes``: ``POST /sandboxes`` and ``/v2/sandboxes`` are answered
-here when ``templateID`` names a snapshot (a restore), and handed on otherwise.
+A create from a snapshot is an ordinary ``POST /sandboxes`` whose ``templateID`` names the
+snapshot (routes_sandboxes); the orchestrator tells templates and snapshots apart.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from agentenv.api import routes_sandboxes
 from agentenv.api.auth import require_api_key
-from agentenv.api.errors import ApiError
-from agentenv.api.schemas import MAX_TIMEOUT_SECONDS, NewSandbox, _Request
+from agentenv.api.routes_sandboxes import Orch, check_timeout, public_domain, sandbox_body
+from agentenv.api.schemas import _Request
+from agentenv.errors import error_body
 from agentenv.orchestrator.ids import normalise_sandbox_id
-from agentenv.orchestrator.service import Orchestrator
-from agentenv.orchestrator.snapshots import SnapshotService, service_of
 from agentenv.storage.snapshots import SnapshotRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -44,77 +42,25 @@ class SandboxForkRequest(_Request):
     count: int = Field(1, ge=1)
 
 
-def _orch(request: Request) -> Orchestrator:
-    orch: Orchestrator = request.app.state.orchestrator
-    return orch
-
-
-def _service(request: Request) -> SnapshotService:
-    return service_of(_orch(request))
-
-
-Service = Annotated[SnapshotService, Depends(_service)]
-
-
 def snapshot_info(row: SnapshotRow) -> dict[str, object]:
     return {"snapshotID": row.snapshot_id, "names": [row.name or row.snapshot_id]}
-
-
-def _timeout(value: int) -> int:
-    if value > MAX_TIMEOUT_SECONDS:
-        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
-    return value
-
-
-# -- create from a snapshot --------------------------------------------------------------------
-
-
-async def _create(request: Request, body: NewSandbox, service: SnapshotService, *, secure: bool,
-                  idempotency_key: str | None) -> JSONResponse:
-    row = await service.find_snapshot(body.template_id)
-    if row is None:
-        return await routes_sandboxes._create(
-            request, _orch(request), body, secure=secure, idempotency_key=idempotency_key
-        )
-    req = routes_sandboxes._create_request(
-        body, secure=secure, default_timeout=_orch(request).settings.default_timeout_seconds
-    )
-    rec = await service.create_from_snapshot(row, req)
-    return JSONResponse(routes_sandboxes.sandbox_body(rec, routes_sandboxes.public_domain(request)),
-                        status_code=201)
-
-
-@router.post("/sandboxes", status_code=201)
-async def create_sandbox(
-    request: Request, body: NewSandbox, service: Service,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-) -> JSONResponse:
-    return await _create(request, body, service, secure=bool(body.secure), idempotency_key=idempotency_key)
-
-
-@router.post("/v2/sandboxes", status_code=201)
-async def create_sandbox_v2(
-    request: Request, body: NewSandbox, service: Service,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-) -> JSONResponse:
-    return await _create(request, body, service, secure=True, idempotency_key=idempotency_key)
 
 
 # -- pause / resume ----------------------------------------------------------------------------
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-async def pause(sandbox_id: str, service: Service, body: SandboxPauseRequest | None = None) -> Response:
-    await service.pause(normalise_sandbox_id(sandbox_id))
+async def pause(sandbox_id: str, orch: Orch, body: SandboxPauseRequest | None = None) -> Response:
+    await orch.pause(normalise_sandbox_id(sandbox_id))
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
-async def resume(request: Request, sandbox_id: str, service: Service,
+async def resume(request: Request, sandbox_id: str, orch: Orch,
                  body: ResumedSandbox | None = None) -> JSONResponse:
-    timeout = _timeout(body.timeout if body else 15)
-    rec = await service.resume(normalise_sandbox_id(sandbox_id), timeout)
-    return JSONResponse(routes_sandboxes.sandbox_body(rec, routes_sandboxes.public_domain(request)),
+    timeout = check_timeout(body.timeout if body else 15)
+    rec = await orch.resume(normalise_sandbox_id(sandbox_id), timeout)
+    return JSONResponse(sandbox_body(rec, public_domain(request)),
                         status_code=201)
 
 
@@ -122,21 +68,21 @@ async def resume(request: Request, sandbox_id: str, service: Service,
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
-async def create_snapshot(sandbox_id: str, service: Service,
+async def create_snapshot(sandbox_id: str, orch: Orch,
                           body: SandboxSnapshotRequest | None = None) -> JSONResponse:
-    row = await service.create_snapshot(normalise_sandbox_id(sandbox_id), body.name if body else None)
+    row = await orch.create_snapshot(normalise_sandbox_id(sandbox_id), body.name if body else None)
     return JSONResponse(snapshot_info(row), status_code=201)
 
 
 @router.get("/snapshots")
 async def list_snapshots(
-    service: Service,
+    orch: Orch,
     sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
     name: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 100,
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,
 ) -> JSONResponse:
-    rows = await service.list_snapshots(normalise_sandbox_id(sandbox_id) if sandbox_id else None, name)
+    rows = await orch.list_snapshots(normalise_sandbox_id(sandbox_id) if sandbox_id else None, name)
     start = int(next_token) if next_token and next_token.isdigit() else 0
     page = rows[start:start + limit]
     headers = {"x-next-token": str(start + limit)} if start + limit < len(rows) else {}
@@ -144,10 +90,9 @@ async def list_snapshots(
 
 
 @router.delete("/templates/{template_id}", status_code=204)
-async def delete_snapshot(template_id: str, service: Service) -> Response:
+async def delete_snapshot(template_id: str, orch: Orch) -> Response:
     """Snapshots are templates in E2B: the SDK's ``delete_snapshot`` deletes the template."""
-    if not await service.delete_snapshot(template_id):
-        raise ApiError(404, f"template '{template_id}' not found")
+    await orch.delete_snapshot(template_id)
     return Response(status_code=204)
 
 
@@ -155,16 +100,16 @@ async def delete_snapshot(template_id: str, service: Service) -> Response:
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-async def fork(request: Request, sandbox_id: str, service: Service,
+async def fork(request: Request, sandbox_id: str, orch: Orch,
                body: SandboxForkRequest | None = None) -> JSONResponse:
     req = body or SandboxForkRequest.model_validate({})
-    outcomes = await service.fork(normalise_sandbox_id(sandbox_id), req.count, _timeout(req.timeout))
-    domain = routes_sandboxes.public_domain(request)
+    outcomes = await orch.fork(normalise_sandbox_id(sandbox_id), req.count, check_timeout(req.timeout))
+    domain = public_domain(request)
     results: list[dict[str, object]] = []
     for outcome in outcomes:
         if outcome.record is not None:
-            results.append({"sandbox": routes_sandboxes.sandbox_body(outcome.record, domain)})
+            results.append({"sandbox": sandbox_body(outcome.record, domain)})
         else:
             assert outcome.error is not None
-            results.append({"error": {"code": outcome.error.code, "message": outcome.error.message}})
+            results.append({"error": error_body(outcome.error)})
     return JSONResponse(results, status_code=201)

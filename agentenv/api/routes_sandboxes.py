@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from agentenv.api.auth import require_api_key
-from agentenv.api.errors import ApiError
 from agentenv.api.schemas import (
     MAX_TIMEOUT_SECONDS,
     ConnectSandbox,
@@ -28,9 +27,11 @@ from agentenv.api.schemas import (
     SandboxRefreshRequest,
     SandboxTimeoutRequest,
 )
+from agentenv.errors import Invalid
 from agentenv.orchestrator.ids import normalise_sandbox_id
-from agentenv.orchestrator.service import CreateRequest, MetricSample, Orchestrator
+from agentenv.orchestrator.lifecycle import CreateRequest, MetricSample, Orchestrator
 from agentenv.orchestrator.store import LISTED_STATES, ListQuery, LogLine, SandboxRecord
+from agentenv.types import SandboxState
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -78,7 +79,7 @@ def _listed_fields(rec: SandboxRecord) -> dict[str, object]:
         "memory_mb": rec.memory_mb,
         "disk_size_mb": rec.disk_mb,
         "metadata": rec.metadata,
-        "state": "paused" if rec.state == "paused" else "running",
+        "state": "paused" if rec.state == SandboxState.PAUSED else "running",
         "envd_version": rec.envd_version,
     }
 
@@ -125,18 +126,23 @@ def metric_body(sample: MetricSample) -> dict[str, object]:
 # -- create ------------------------------------------------------------------------------------
 
 
+def check_timeout(seconds: int) -> int:
+    if seconds > MAX_TIMEOUT_SECONDS:
+        raise Invalid(f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
+    return seconds
+
+
 def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> CreateRequest:
     timeout = body.timeout if body.timeout is not None else default_timeout
-    if timeout > MAX_TIMEOUT_SECONDS:
-        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
+    check_timeout(timeout)
     if body.volume_mounts:
-        raise ApiError(400, "volume mounts are not supported on this node")
+        raise Invalid("volume mounts are not supported on this node")
     if body.auto_resume and body.auto_resume.enabled and not body.auto_pause:
-        raise ApiError(400, "autoResume requires autoPause")
+        raise Invalid("autoResume requires autoPause")
     network = body.network
     allow_internet = body.allow_internet_access
     if network and network.allow_out:
-        raise ApiError(400, "network.allowOut is not supported on this node")
+        raise Invalid("network.allowOut is not supported on this node")
     return CreateRequest(
         template_id=body.template_id,
         timeout_seconds=timeout,
@@ -186,20 +192,18 @@ def parse_metadata_query(raw: str | None) -> dict[str, str]:
     try:
         pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
     except ValueError:
-        raise ApiError(
-            400, f"invalid metadata query {raw!r}: expected key=value pairs joined by '&'"
-        ) from None
+        raise Invalid(f"invalid metadata query {raw!r}: expected key=value pairs joined by '&'") from None
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
 
-def parse_states(raw: list[str] | None) -> tuple[str, ...]:
+def parse_states(raw: list[str] | None) -> tuple[SandboxState, ...]:
     if not raw:
         return LISTED_STATES
-    states = tuple(s.strip() for item in raw for s in item.split(",") if s.strip())
-    bad = [s for s in states if s not in LISTED_STATES]
+    names = tuple(s.strip() for item in raw for s in item.split(",") if s.strip())
+    bad = [s for s in names if s not in LISTED_STATES]
     if bad:
-        raise ApiError(400, f"invalid state {bad[0]!r}: expected one of {', '.join(LISTED_STATES)}")
-    return states or LISTED_STATES
+        raise Invalid(f"invalid state {bad[0]!r}: expected one of {', '.join(LISTED_STATES)}")
+    return tuple(SandboxState(s) for s in names) or LISTED_STATES
 
 
 def encode_cursor(rec: SandboxRecord) -> str:
@@ -213,7 +217,7 @@ def decode_cursor(token: str) -> tuple[float, int]:
         ts, seq = raw.split(":")
         return float(ts), int(seq)
     except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise ApiError(400, "invalid nextToken") from None
+        raise Invalid("invalid nextToken") from None
 
 
 @router.get("/v2/sandboxes")
@@ -228,7 +232,7 @@ async def list_sandboxes_v2(
     limit: Annotated[int, Query(ge=1, le=LIST_LIMIT_MAX)] = LIST_LIMIT_MAX,
 ) -> JSONResponse:
     if order not in ("asc", "desc"):
-        raise ApiError(400, f"invalid order {order!r}: expected 'asc' or 'desc'")
+        raise Invalid(f"invalid order {order!r}: expected 'asc' or 'desc'")
     states = parse_states(state)
     query = ListQuery(
         states=states,
@@ -244,8 +248,8 @@ async def list_sandboxes_v2(
     if len(recs) > limit:
         recs = recs[:limit]
         headers["X-Next-Token"] = encode_cursor(recs[-1])
-    if "running" in states:
-        running = await orch.list_sandboxes(ListQuery(states=("running",), metadata=query.metadata,
+    if SandboxState.RUNNING in states:
+        running = await orch.list_sandboxes(ListQuery(states=(SandboxState.RUNNING,), metadata=query.metadata,
                                             template=template, started_after=started_after))
         headers["X-Total-Running"] = str(len(running))
     return JSONResponse([listed_body(r) for r in recs], headers=headers)
@@ -253,7 +257,9 @@ async def list_sandboxes_v2(
 
 @router.get("/sandboxes")
 async def list_sandboxes_v1(orch: Orch, metadata: str | None = None) -> JSONResponse:
-    recs = await orch.list_sandboxes(ListQuery(states=("running",), metadata=parse_metadata_query(metadata)))
+    recs = await orch.list_sandboxes(
+        ListQuery(states=(SandboxState.RUNNING,), metadata=parse_metadata_query(metadata))
+    )
     return JSONResponse([listed_body(r) for r in recs])
 
 
@@ -266,13 +272,13 @@ async def sandboxes_metrics(
 ) -> JSONResponse:
     ids = [normalise_sandbox_id(s) for item in sandbox_ids or [] for s in item.split(",") if s.strip()]
     if not ids:
-        raise ApiError(400, "sandbox_ids is required (comma-separated sandbox IDs)")
+        raise Invalid("sandbox_ids is required (comma-separated sandbox IDs)")
     if len(set(ids)) > 100:
-        raise ApiError(400, "at most 100 sandbox_ids per request")
+        raise Invalid("at most 100 sandbox_ids per request")
     out: dict[str, object] = {}
     for sid in dict.fromkeys(ids):
         rec = await orch.store.get(sid)
-        if rec is None or rec.state != "running":
+        if rec is None or rec.state != SandboxState.RUNNING:
             continue
         samples = await orch.metrics(sid)
         if samples:
@@ -297,9 +303,7 @@ async def kill_sandbox(sandbox_id: str, orch: Orch) -> Response:
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: SandboxTimeoutRequest, orch: Orch) -> Response:
-    if body.timeout > MAX_TIMEOUT_SECONDS:
-        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
-    await orch.set_timeout(normalise_sandbox_id(sandbox_id), body.timeout)
+    await orch.set_timeout(normalise_sandbox_id(sandbox_id), check_timeout(body.timeout))
     return Response(status_code=204)
 
 
@@ -313,9 +317,7 @@ async def refresh(sandbox_id: str, orch: Orch, body: SandboxRefreshRequest | Non
 async def _connect(
     request: Request, sandbox_id: str, body: ConnectSandbox, orch: Orchestrator
 ) -> JSONResponse:
-    timeout = body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds
-    if timeout > MAX_TIMEOUT_SECONDS:
-        raise ApiError(400, f"timeout cannot be greater than {MAX_TIMEOUT_SECONDS} seconds (24 hours)")
+    timeout = check_timeout(body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds)
     rec, resumed = await orch.connect(normalise_sandbox_id(sandbox_id), timeout)
     return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201 if resumed else 200)
 
@@ -337,7 +339,7 @@ async def sandbox_metrics(
     end: Annotated[int | None, Query(ge=0)] = None,
 ) -> JSONResponse:
     if start is not None and end is not None and start > end:
-        raise ApiError(400, "start must not be after end")
+        raise Invalid("start must not be after end")
     samples = await orch.metrics(normalise_sandbox_id(sandbox_id))
     chosen = [
         s for s in samples
@@ -358,7 +360,7 @@ async def sandbox_logs_v1(
     limit: Annotated[int, Query(ge=0)] = 1000,
 ) -> JSONResponse:
     since = dt.datetime.fromtimestamp(start / 1000, dt.UTC) if start is not None else None
-    lines = await orch.logs(normalise_sandbox_id(sandbox_id), start=since, limit=limit)
+    lines = await orch.sandbox_logs(normalise_sandbox_id(sandbox_id), start=since, limit=limit)
     return JSONResponse({
         "logs": [SandboxLog(timestamp=ln.timestamp, line=ln.message).to_json() for ln in lines],
         "logEntries": [_entry(ln) for ln in lines],
@@ -381,11 +383,11 @@ async def sandbox_logs_v2(
     search: Annotated[str | None, Query(max_length=256)] = None,
 ) -> JSONResponse:
     if direction not in ("forward", "backward"):
-        raise ApiError(400, f"invalid direction {direction!r}: expected 'forward' or 'backward'")
+        raise Invalid(f"invalid direction {direction!r}: expected 'forward' or 'backward'")
     if level is not None and level not in _LEVELS:
-        raise ApiError(400, f"invalid level {level!r}: expected one of {', '.join(_LEVELS)}")
+        raise Invalid(f"invalid level {level!r}: expected one of {', '.join(_LEVELS)}")
     since = dt.datetime.fromtimestamp(cursor / 1000, dt.UTC) if cursor is not None else None
-    lines = await orch.logs(
+    lines = await orch.sandbox_logs(
         normalise_sandbox_id(sandbox_id), start=since, limit=10_000, ascending=direction == "forward"
     )
     min_level = _LEVELS.index(level) if level else 0

@@ -6,12 +6,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from agentenv.api.auth import require_api_key
-from agentenv.api.errors import ApiError
 from agentenv.api.schemas import Template
 from agentenv.config import Settings
-from agentenv.types import ENVD_VERSION
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.templates import TemplateInfo
+from agentenv.types import ENVD_VERSION
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -43,10 +42,7 @@ async def list_templates(request: Request) -> JSONResponse:
 
 
 def _load(request: Request, template_id: str) -> TemplateInfo:
-    try:
-        return templates.load(template_id, _settings(request))
-    except templates.TemplateNotFound:
-        raise ApiError(404, f"template '{template_id}' not found") from None
+    return templates.load(template_id, _settings(request))
 
 
 @router.get("/templates/aliases/{alias}")

@@ -8,8 +8,8 @@ import sys
 import uvicorn
 
 from agentenv.api.app import create_app
-from agentenv.config import Settings, get_settings
-from agentenv.orchestrator.runtimes import default_runtime, unusable_reason
+from agentenv.config import Settings
+from agentenv.runtime.registry import select_runtime
 
 log = logging.getLogger("agentenv.serve")
 
@@ -31,7 +31,7 @@ def run(host: str | None = None, port: int | None = None) -> None:
         level=logging.INFO, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    settings = get_settings()
+    settings = Settings()
     updates: dict[str, object] = {}
     if host:
         updates["host"] = host
@@ -40,15 +40,14 @@ def run(host: str | None = None, port: int | None = None) -> None:
     if updates:
         settings = settings.model_copy(update=updates)
 
-    runtime, reasons = default_runtime(settings)
-    problem = unusable_reason(runtime)
+    runtime, reasons = select_runtime(settings)
+    problem = runtime.probe()
     log.info("runtime: %s%s", runtime.name, f" (WARNING: {problem})" if problem else "")
     for name, why in sorted(reasons.items()):
         log.info("runtime %s not used: %s", name, why)
     log.info("data directory: %s; templates: %s", settings.data_dir, settings.templates_dir)
 
     app = create_app(settings, runtime=runtime)
-    app.state.hub.runtime_reasons = reasons
     # Printed on stdout (logs go to stderr) so a script can capture exactly these lines.
     print(f"agentenv listening on http://{settings.host}:{settings.port}", flush=True)
     print(f"API key: {settings.effective_api_keys()[0]}", flush=True)

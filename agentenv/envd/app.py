@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -20,8 +18,9 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.envd import metrics
-from agentenv.envd.files_http import compose, download, error_response, upload
+from agentenv.envd.files_http import compose, download, upload
 from agentenv.envd.filesystem_service import FilesystemService
+from agentenv.envd.http_common import EXCEPTION_HANDLERS, error_response, json_object
 from agentenv.envd.process_service import ProcessService
 from agentenv.envd.processes import ProcessTable
 from agentenv.envd.reaper import reap_orphans_forever
@@ -29,6 +28,7 @@ from agentenv.envd.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_ap
 from agentenv.envd.settings import EnvdSettings
 from agentenv.envd.signature import signature_grants
 from agentenv.envd.state import EnvdState
+from agentenv.errors import Invalid, Unauthenticated
 
 logger = logging.getLogger("agentenv.envd")
 
@@ -60,18 +60,8 @@ class AccessTokenMiddleware:
                 {"code": "unauthenticated", "message": message}, status_code=401
             )
         else:
-            response = error_response(401, message)
+            response = error_response(Unauthenticated(message))
         await response(scope, receive, send)
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    """Unknown routes and methods answer in E2B's error shape too."""
-    assert isinstance(exc, HTTPException)
-    return error_response(exc.status_code, exc.detail)
-
-
-async def internal_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, f"internal error: {exc}")
 
 
 async def health(request: Request) -> Response:
@@ -80,25 +70,20 @@ async def health(request: Request) -> Response:
 
 async def init(request: Request) -> Response:
     state: EnvdState = request.app.state.envd
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        return error_response(400, f"invalid JSON body: {exc}")
-    if not isinstance(body, dict):
-        return error_response(400, "the /init body must be a JSON object")
+    body = json_object(await request.body() or b"{}", "/init")
     env_vars = body.get("envVars")
     if env_vars is not None and (
         not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values())
     ):
-        return error_response(400, "envVars must be an object of strings")
+        raise Invalid("envVars must be an object of strings")
     for key in ("accessToken", "defaultUser", "defaultWorkdir", "timestamp"):
         if body.get(key) is not None and not isinstance(body[key], str):
-            return error_response(400, f"{key} must be a string")
+            raise Invalid(f"{key} must be a string")
     if body.get("timestamp"):
         try:
             host_time = datetime.fromisoformat(body["timestamp"].replace("Z", "+00:00"))
         except ValueError:
-            return error_response(400, f"timestamp '{body['timestamp']}' is not RFC 3339")
+            raise Invalid(f"timestamp '{body['timestamp']}' is not RFC 3339") from None
         if request.app.state.sync_clock:
             sync_clock(host_time.timestamp())
     if env_vars:
@@ -178,7 +163,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
             ),
             Middleware(AccessTokenMiddleware, state=state),
         ],
-        exception_handlers={HTTPException: http_error, Exception: internal_error},
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     app.state.envd = state

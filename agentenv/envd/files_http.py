@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import mimetypes
 import os
 import stat
@@ -17,15 +16,18 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO
 
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from agentenv.envd.entries import METADATA_XATTR_PREFIX, read_metadata
 from agentenv.envd.filesystem_service import chown_to, make_dirs
-from agentenv.envd.multipart import MultipartError, MultipartReader, boundary_from_content_type
+from agentenv.envd.http_common import json_object
+from agentenv.envd.multipart import MultipartReader, boundary_from_content_type
 from agentenv.envd.state import EnvdState
 from agentenv.envd.tempnames import temp_upload_name
-from agentenv.envd.users import UnknownUserError, User, resolve_path
+from agentenv.envd.users import User, resolve_path
+from agentenv.errors import AgentenvError, Failed, InsufficientStorage, Invalid, NotFound
 
 _WRITE_BATCH = 1024 * 1024
 _READ_CHUNK = 256 * 1024
@@ -34,34 +36,25 @@ _MAX_METADATA_KEY = 246
 _MAX_METADATA_TOTAL = 4096
 
 
-class HTTPFailure(Exception):
-    """An E2B-shaped error: ``{"code": <status>, "message": ...}``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
 def _state(request: Request) -> EnvdState:
     state: EnvdState = request.app.state.envd
     return state
 
 
 def _user(request: Request) -> User:
-    try:
-        return _state(request).user(request.query_params.get("username") or None)
-    except UnknownUserError as exc:
-        raise HTTPFailure(401, str(exc)) from None
+    return _state(request).user(request.query_params.get("username") or None)
+
+
+def _write_failure(exc: OSError, doing: str) -> AgentenvError:
+    """A write that failed: a full disk is 507 (the SDK's NotEnoughSpaceException), the rest 500."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorage("not enough disk space available")
+    return Failed(f"{doing}: {exc.strerror or exc}")
 
 
 # --- download ------------------------------------------------------------------------------------
 def _accepts_gzip(accept_encoding: str) -> bool:
-    """True for gzip, False for identity; HTTPFailure 406 when neither is acceptable.
+    """True for gzip, False for identity; 406 when neither is acceptable.
 
     Identity is acceptable unless excluded (RFC 9110 12.5.3), so gzip is chosen only when it is
     asked for on its own (the SDK's ``gzip=True`` sends ``Accept-Encoding: gzip``) or identity is
@@ -88,7 +81,8 @@ def _accepts_gzip(accept_encoding: str) -> bool:
         return "gzip" in weights or not identity_ok
     if identity_ok:
         return False
-    raise HTTPFailure(406, "no acceptable encoding found, supported: [identity, gzip]")
+    # Content negotiation is HTTP's own business, not an error kind: answered like routing's 405.
+    raise HTTPException(406, "no acceptable encoding found, supported: [identity, gzip]")
 
 
 def _content_disposition(name: str) -> str:
@@ -115,26 +109,29 @@ class _LargeChunkFileResponse(FileResponse):
     chunk_size = 1024 * 1024
 
 
-async def download(request: Request) -> Response:
+def _readable_file(path: str) -> os.stat_result:
+    """stat of the file to download; the error E2B's envd answers when it cannot be read."""
     try:
-        user = _user(request)
-        raw_path = request.query_params.get("path")
-        if not raw_path:
-            raise HTTPFailure(400, "path is required")
-        path = resolve_path(raw_path, user)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise HTTPFailure(404, f"path '{path}' does not exist") from None
-        except OSError as exc:
-            raise HTTPFailure(500, f"error opening file '{path}': {exc.strerror}") from None
-        if stat.S_ISDIR(st.st_mode):
-            raise HTTPFailure(400, f"path '{path}' is a directory")
-        if not os.access(path, os.R_OK):
-            raise HTTPFailure(500, f"error opening file '{path}': permission denied")
-        gzip = _accepts_gzip(request.headers.get("accept-encoding", ""))
-    except HTTPFailure as failure:
-        return error_response(failure.status, failure.message)
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise NotFound(f"path '{path}' does not exist") from None
+    except OSError as exc:
+        raise Failed(f"error opening file '{path}': {exc.strerror}") from exc
+    if stat.S_ISDIR(st.st_mode):
+        raise Invalid(f"path '{path}' is a directory")
+    if not os.access(path, os.R_OK):
+        raise Failed(f"error opening file '{path}': permission denied")
+    return st
+
+
+async def download(request: Request) -> Response:
+    user = _user(request)
+    raw_path = request.query_params.get("path")
+    if not raw_path:
+        raise Invalid("path is required")
+    path = resolve_path(raw_path, user)
+    st = _readable_file(path)
+    gzip = _accepts_gzip(request.headers.get("accept-encoding", ""))
     media_type = mimetypes.guess_type(path)[0] or "application/octet-stream"
     headers = {"Content-Disposition": _content_disposition(os.path.basename(path))}
     if gzip:
@@ -145,8 +142,9 @@ async def download(request: Request) -> Response:
 
 
 # --- upload --------------------------------------------------------------------------------------
-def _metadata(request: Request) -> dict[str, str] | None:
-    """``X-Metadata-<key>`` headers (first value wins); None when the request sent none."""
+def _metadata(request: Request) -> dict[str, str]:
+    """``X-Metadata-<key>`` headers (first value wins); empty when the request sent none, which
+    clears an overwritten file's metadata."""
     found: dict[str, str] = {}
     for raw_key, raw_value in request.headers.raw:
         key = raw_key.decode("latin-1").lower()
@@ -155,13 +153,13 @@ def _metadata(request: Request) -> dict[str, str] | None:
         name = key.removeprefix(_METADATA_HEADER)
         value = raw_value.decode("latin-1")
         if not name or not all(0x20 <= ord(c) <= 0x7E for c in name + value):
-            raise HTTPFailure(400, f"metadata key '{name}' or its value is not printable US-ASCII")
+            raise Invalid(f"metadata key '{name}' or its value is not printable US-ASCII")
         if len(name) > _MAX_METADATA_KEY:
-            raise HTTPFailure(400, f"metadata key '{name[:32]}...' is longer than {_MAX_METADATA_KEY} bytes")
+            raise Invalid(f"metadata key '{name[:32]}...' is longer than {_MAX_METADATA_KEY} bytes")
         found.setdefault(name, value)
     total = sum(len(METADATA_XATTR_PREFIX) + len(k) + len(v) for k, v in found.items())
     if total > _MAX_METADATA_TOTAL:
-        raise HTTPFailure(400, f"metadata is larger than {_MAX_METADATA_TOTAL} bytes")
+        raise Invalid(f"metadata is larger than {_MAX_METADATA_TOTAL} bytes")
     return found
 
 
@@ -183,12 +181,12 @@ class _Upload:
         self.target = target
         self.user = user
         if os.path.isdir(target):
-            raise HTTPFailure(400, f"path '{target}' is a directory")
+            raise Invalid(f"path '{target}' is a directory")
         parent = os.path.dirname(target)
         try:
             make_dirs(parent, user)
         except NotADirectoryError:
-            raise HTTPFailure(400, f"a parent of '{target}' is not a directory") from None
+            raise Invalid(f"a parent of '{target}' is not a directory") from None
         replacing = os.path.lexists(target)
         self.temp = os.path.join(parent, temp_upload_name(os.path.basename(target), replacing))
         self._file: BinaryIO = open(self.temp, "xb")
@@ -204,13 +202,16 @@ class _Upload:
             data, self._pending = bytes(self._pending), bytearray()
             await asyncio.to_thread(self._file.write, data)
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     async def commit(self, metadata: dict[str, str]) -> None:
         await self._flush()
-        self._file.close()
-        self._finish(metadata)
+        self.finish(metadata)
 
-    def _finish(self, metadata: dict[str, str]) -> None:
-        """Mode (kept from an overwritten file), owner and metadata, then the atomic rename."""
+    def finish(self, metadata: dict[str, str]) -> None:
+        """Close; mode (kept from an overwritten file), owner and metadata; then the atomic rename."""
+        self._file.close()
         try:
             mode = stat.S_IMODE(os.stat(self.target).st_mode)
         except FileNotFoundError:
@@ -251,9 +252,9 @@ async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         if tail := decompressor.flush():
             yield tail
     except zlib.error as exc:
-        raise HTTPFailure(400, f"invalid gzip body: {exc}") from None
+        raise Invalid(f"invalid gzip body: {exc}") from None
     if not decompressor.eof:
-        raise HTTPFailure(400, "invalid gzip body: truncated")
+        raise Invalid("invalid gzip body: truncated")
 
 
 def _written(path: str, metadata: dict[str, str]) -> dict[str, Any]:
@@ -268,13 +269,13 @@ async def _upload_octet_stream(
 ) -> list[dict[str, Any]]:
     raw_path = request.query_params.get("path")
     if not raw_path:
-        raise HTTPFailure(400, "the path query parameter is required for application/octet-stream uploads")
+        raise Invalid("the path query parameter is required for application/octet-stream uploads")
     body: AsyncIterator[bytes] = request.stream()
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding == "gzip":
         body = _gunzip(body)
     elif encoding not in ("", "identity"):
-        raise HTTPFailure(400, f"unsupported Content-Encoding '{encoding}', supported: [identity, gzip]")
+        raise Invalid(f"unsupported Content-Encoding '{encoding}', supported: [identity, gzip]")
     path = resolve_path(raw_path, user)
     file = _Upload(path, user)
     await _receive_into(file, body, metadata)
@@ -292,39 +293,33 @@ async def _upload_multipart(
             continue
         raw_path = path_param or part.filename
         if not raw_path:
-            raise HTTPFailure(400, "a file part has no filename and no path query parameter was given")
+            raise Invalid("a file part has no filename and no path query parameter was given")
         file = _Upload(resolve_path(raw_path, user), user)
         await _receive_into(file, body, metadata)
         written.append(_written(file.target, metadata))
     if not written:
-        raise HTTPFailure(400, "the multipart body has no 'file' part")
+        raise Invalid("the multipart body has no 'file' part")
     return written
 
 
 async def upload(request: Request) -> Response:
+    user = _user(request)
+    metadata = _metadata(request)
+    content_type = request.headers.get("content-type", "")
+    kind = content_type.split(";")[0].strip().lower()
+    if kind not in ("multipart/form-data", "application/octet-stream", ""):
+        raise Invalid(
+            f"unsupported Content-Type '{kind}', use multipart/form-data or application/octet-stream"
+        )
     try:
-        user = _user(request)
-        metadata = _metadata(request) or {}
-        content_type = request.headers.get("content-type", "")
-        kind = content_type.split(";")[0].strip().lower()
         if kind == "multipart/form-data":
             written = await _upload_multipart(request, user, metadata, content_type)
-        elif kind in ("application/octet-stream", ""):
-            written = await _upload_octet_stream(request, user, metadata)
         else:
-            raise HTTPFailure(
-                400, f"unsupported Content-Type '{kind}', use multipart/form-data or application/octet-stream"
-            )
-    except HTTPFailure as failure:
-        return error_response(failure.status, failure.message)
-    except MultipartError as exc:
-        return error_response(400, f"invalid multipart body: {exc}")
+            written = await _upload_octet_stream(request, user, metadata)
     except ClientDisconnect:
-        return error_response(400, "the client went away before the upload completed")
+        raise Invalid("the client went away before the upload completed") from None
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return error_response(507, "not enough disk space available")
-        return error_response(500, f"error writing file: {exc.strerror or exc}")
+        raise _write_failure(exc, "error writing file") from exc
     return JSONResponse(written)
 
 
@@ -332,9 +327,9 @@ async def upload(request: Request) -> Response:
 def _compose(sources: list[str], destination: str, user: User) -> None:
     for source in sources:
         if not os.path.lexists(source):
-            raise HTTPFailure(404, f"path '{source}' does not exist")
+            raise NotFound(f"path '{source}' does not exist")
         if os.path.isdir(source):
-            raise HTTPFailure(400, f"path '{source}' is a directory")
+            raise Invalid(f"path '{source}' is a directory")
     _copy_into(sources, destination, user)
     kept = os.path.realpath(destination)
     for source in dict.fromkeys(sources):
@@ -350,13 +345,10 @@ def _copy_into(sources: list[str], destination: str, user: User) -> None:
     """
     upload = _Upload(destination, user)
     try:
-        out_fd = upload._file.fileno()
         for source in sources:
             with open(source, "rb") as src:
-                _copy_fd(src.fileno(), out_fd)
-        upload._file.flush()
-        upload._file.close()
-        upload._finish({})
+                _copy_fd(src.fileno(), upload.fileno())  # straight to the fd: nothing left to flush
+        upload.finish({})
     except BaseException:
         upload.abort()
         raise
@@ -375,34 +367,18 @@ def _copy_fd(src: int, dst: int) -> None:
 
 async def compose(request: Request) -> Response:
     """``POST /files/compose``: concatenate files in order; the sources are deleted afterwards."""
+    body = json_object(await request.body(), "compose")
+    sources_raw, destination_raw = body.get("source_paths"), body.get("destination")
+    if not (isinstance(sources_raw, list) and sources_raw and all(isinstance(s, str) for s in sources_raw)):
+        raise Invalid("source_paths must be a non-empty list of paths")
+    if not isinstance(destination_raw, str) or not destination_raw:
+        raise Invalid("destination is required")
+    username = body.get("username")
+    user = _state(request).user(username if isinstance(username, str) and username else None)
+    sources = [resolve_path(s, user) for s in sources_raw]
+    destination = resolve_path(destination_raw, user)
     try:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HTTPFailure(400, f"invalid JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise HTTPFailure(400, "the body must be a JSON object")
-        sources_raw, destination_raw = body.get("source_paths"), body.get("destination")
-        if (
-            not isinstance(sources_raw, list)
-            or not sources_raw
-            or not all(isinstance(s, str) for s in sources_raw)
-        ):
-            raise HTTPFailure(400, "source_paths must be a non-empty list of paths")
-        if not isinstance(destination_raw, str) or not destination_raw:
-            raise HTTPFailure(400, "destination is required")
-        username = body.get("username")
-        try:
-            user = _state(request).user(username if isinstance(username, str) and username else None)
-        except UnknownUserError as exc:
-            raise HTTPFailure(401, str(exc)) from None
-        sources = [resolve_path(s, user) for s in sources_raw]
-        destination = resolve_path(destination_raw, user)
         await asyncio.to_thread(_compose, sources, destination, user)
-    except HTTPFailure as failure:
-        return error_response(failure.status, failure.message)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return error_response(507, "not enough disk space available")
-        return error_response(500, f"error composing files: {exc.strerror or exc}")
+        raise _write_failure(exc, "error composing files") from exc
     return JSONResponse(_written(destination, {}))

@@ -9,9 +9,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from agentenv.errors import Invalid
 
-class MultipartError(ValueError):
-    pass
+
+class MultipartError(Invalid):
+    """The body is not well-formed multipart/form-data (the client's fault: 400)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"invalid multipart body: {problem}")
 
 
 @dataclass

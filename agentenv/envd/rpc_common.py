@@ -11,7 +11,8 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 
 from agentenv.envd.state import EnvdState
-from agentenv.envd.users import UnknownUserError, User, username_from_authorization
+from agentenv.envd.users import User, username_from_authorization
+from agentenv.errors import Unauthenticated
 
 #: The SDK asks for this interval in seconds (e2b.connection_config.KEEPALIVE_PING_HEADER).
 KEEPALIVE_HEADER = "keepalive-ping-interval"
@@ -22,10 +23,12 @@ T = TypeVar("T")
 
 
 def request_user(state: EnvdState, ctx: RequestContext[Any, Any]) -> User:
+    """The user the RPC acts as; the only error kind that reaches the Connect services, so it is
+    turned into its Connect code here."""
     try:
         return state.user(username_from_authorization(ctx.request_headers.get("authorization")))
-    except UnknownUserError as exc:
-        raise ConnectError(Code.UNAUTHENTICATED, str(exc)) from None
+    except Unauthenticated as exc:
+        raise ConnectError(Code.UNAUTHENTICATED, exc.message) from None
 
 
 def keepalive_interval(ctx: RequestContext[Any, Any]) -> float:

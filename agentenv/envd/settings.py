@@ -1,7 +1,8 @@
 """envd's own settings: command-line flags over ``AGENTENV_ENVD_*`` environment variables.
 
 envd must not import :mod:`agentenv.config` (it pulls pydantic-settings, too heavy for the
-read-only in-sandbox bundle), so the few shared constants are duplicated here.
+read-only in-sandbox bundle); the constants it shares with the host come from
+:mod:`agentenv.types`, which imports nothing of the project and ships in the bundle.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import argparse
 import os
 from dataclasses import dataclass
 
-#: Same value as ``agentenv.config.ENVD_VERSION``; the SDK gates features on it (e2b/envd/versions.py).
-ENVD_VERSION = "0.6.4"
-#: Same value as ``agentenv.config.ENVD_PORT``.
-ENVD_PORT = 49983
+from agentenv.types import ENVD_ACCESS_TOKEN_ENV, ENVD_PORT, ENVD_VERSION
+
+#: Prefix of envd's configuration variables (the token's among them): state.py keeps them out of the
+#: processes envd starts.
+ENV_PREFIX = "AGENTENV_ENVD_"
 
 
 @dataclass
@@ -30,12 +32,12 @@ class EnvdSettings:
 
 
 def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
-    env = os.environ
+    env, defaults = os.environ, EnvdSettings()
     parser = argparse.ArgumentParser(prog="envd", description="agentenv in-sandbox daemon (E2B envd)")
-    parser.add_argument("--host", default=env.get("AGENTENV_ENVD_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(env.get("AGENTENV_ENVD_PORT", ENVD_PORT)))
-    parser.add_argument("--access-token", default=env.get("AGENTENV_ENVD_ACCESS_TOKEN") or None)
-    parser.add_argument("--log-level", default=env.get("AGENTENV_ENVD_LOG_LEVEL", "warning"))
+    parser.add_argument("--host", default=env.get("AGENTENV_ENVD_HOST", defaults.host))
+    parser.add_argument("--port", type=int, default=int(env.get("AGENTENV_ENVD_PORT", defaults.port)))
+    parser.add_argument("--access-token", default=env.get(ENVD_ACCESS_TOKEN_ENV) or None)
+    parser.add_argument("--log-level", default=env.get("AGENTENV_ENVD_LOG_LEVEL", defaults.log_level))
     parser.add_argument(
         "--sync-clock",
         action="store_true",
@@ -45,7 +47,7 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
     parser.add_argument(
         "--stream-buffer-mib",
         type=int,
-        default=int(env.get("AGENTENV_ENVD_STREAM_BUFFER_MIB", "32")),
+        default=int(env.get("AGENTENV_ENVD_STREAM_BUFFER_MIB", defaults.stream_buffer_mib)),
         help="output held per process stream for a slow client before the process is slowed down",
     )
     parser.add_argument("--version", action="version", version=ENVD_VERSION)

@@ -6,11 +6,9 @@ import hmac
 import os
 from dataclasses import dataclass, field
 
+from agentenv.envd.settings import ENV_PREFIX
 from agentenv.envd.users import User, default_user_name, lookup_user
-
-#: envd's own configuration variables must not leak into user processes.
-_PRIVATE_ENV_PREFIX = "AGENTENV_ENVD_"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+from agentenv.types import DEFAULT_PATH
 
 
 @dataclass
@@ -28,7 +26,7 @@ class EnvdState:
         return hmac.compare_digest(presented.encode(), self.access_token.encode())
 
     def user(self, requested: str | None) -> User:
-        """The named user, or the default one; raises UnknownUserError."""
+        """The named user, or the default one; raises Unauthenticated for an unknown one."""
         return lookup_user(requested or default_user_name(self.default_user))
 
     def workdir(self, user: User) -> str:
@@ -36,7 +34,8 @@ class EnvdState:
 
     def process_env(self, user: User, overrides: dict[str, str]) -> dict[str, str]:
         """envd's environment < user identity < ``/init`` envVars < the request's envs."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIX)}
+        # envd's own configuration (its access token among it) must not leak into user processes.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env.setdefault("PATH", DEFAULT_PATH)
         env.update(HOME=user.home, USER=user.name, LOGNAME=user.name, SHELL=user.shell)
         env.update(self.env_vars)

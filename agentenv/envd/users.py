@@ -13,12 +13,8 @@ import os
 import pwd
 from dataclasses import dataclass
 
-#: The user E2B templates create (uid 1000, home /home/user); used when it exists.
-TEMPLATE_USER = "user"
-
-
-class UnknownUserError(LookupError):
-    """The requested user does not exist in the sandbox (or the header naming it is unreadable)."""
+from agentenv.errors import Unauthenticated
+from agentenv.types import SANDBOX_USER
 
 
 @dataclass(frozen=True)
@@ -38,10 +34,12 @@ class User:
 
 
 def lookup_user(name: str) -> User:
+    """Raises Unauthenticated for a user the sandbox does not have (401 / ``unauthenticated``, as
+    E2B's envd answers)."""
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        raise UnknownUserError(f"error looking up user '{name}': user: unknown user {name}") from None
+        raise Unauthenticated(f"error looking up user '{name}': user: unknown user {name}") from None
     return User(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/", entry.pw_shell or "/bin/sh")
 
 
@@ -50,10 +48,10 @@ def default_user_name(configured: str | None) -> str:
     if configured:
         return configured
     try:
-        pwd.getpwnam(TEMPLATE_USER)
+        pwd.getpwnam(SANDBOX_USER)
     except KeyError:
         return "root"
-    return TEMPLATE_USER
+    return SANDBOX_USER
 
 
 def username_from_authorization(header: str | None) -> str | None:
@@ -62,11 +60,11 @@ def username_from_authorization(header: str | None) -> str | None:
         return None
     scheme, _, credentials = header.partition(" ")
     if scheme.lower() != "basic":
-        raise UnknownUserError(f"unsupported authorization scheme '{scheme}', expected Basic")
+        raise Unauthenticated(f"unsupported authorization scheme '{scheme}', expected Basic")
     try:
         decoded = base64.b64decode(credentials.strip(), validate=True).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError):
-        raise UnknownUserError("invalid Basic authorization header") from None
+        raise Unauthenticated("invalid Basic authorization header") from None
     name = decoded.partition(":")[0]
     return name or None
 

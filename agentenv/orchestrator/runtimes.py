@@ -1,24 +1,29 @@
-"""The one place the orchestrator learns which isolation runtime(s) to use."""
+"""The isolation runtimes of this node: the default one and any a template asks for by name."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from agentenv.config import Settings
 from agentenv.runtime.base import Runtime
+from agentenv.runtime.registry import get_runtime
+from agentenv.types import TemplateImage
 
 
-def default_runtime(settings: Settings) -> tuple[Runtime, dict[str, str]]:
-    """The node's runtime plus, per runtime not chosen, why (for the start-up log)."""
-    from agentenv.runtime.registry import select_runtime
+class RuntimeSet:
+    def __init__(self, settings: Settings, default: Runtime) -> None:
+        self._settings = settings
+        self.default = default
+        self._by_name: dict[str, Runtime] = {default.name: default}
 
-    return select_runtime(settings)
+    def named(self, name: str) -> Runtime:
+        if name not in self._by_name:
+            self._by_name[name] = get_runtime(name, self._settings)
+        return self._by_name[name]
 
+    def for_template(self, image: TemplateImage) -> Runtime:
+        """The template's own runtime, else the node's."""
+        return self.named(image.runtime or self.default.name)
 
-def runtime_by_name(name: str, settings: Settings) -> Runtime:
-    """A runtime a template asks for by name (``template.json`` ``runtime``)."""
-    from agentenv.runtime.registry import get_runtime
-
-    return get_runtime(name, settings)
-
-
-def unusable_reason(runtime: Runtime) -> str | None:
-    return type(runtime).probe()
+    def __iter__(self) -> Iterator[Runtime]:
+        return iter(list(self._by_name.values()))

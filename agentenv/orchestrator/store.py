@@ -5,7 +5,8 @@ Tables:
   and ids remain answerable); ``instance`` holds the runtime's JSON state for re-attach/cleanup.
 - ``sandbox_logs``: structured log lines per sandbox (orchestrator events, envd/runtime output).
 
-Other parts of the node (snapshots) may add their own tables to the same database.
+The snapshot catalog keeps its ``snapshots`` table in the same database. Columns added after a
+node's database was first made are added on open (:data:`ADDED_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import aiosqlite
 
-from agentenv.types import SandboxInstance
+from agentenv.types import SandboxInstance, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -46,7 +47,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     auto_pause INTEGER NOT NULL DEFAULT 0,
     auto_resume INTEGER NOT NULL DEFAULT 0,
     network TEXT NOT NULL DEFAULT '{}',
-    extra TEXT NOT NULL DEFAULT '{}'
+    origin TEXT NOT NULL DEFAULT 'boot',
+    restored_from TEXT,
+    pause_snapshot TEXT,
+    log_offsets TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS sandbox_logs (
@@ -60,11 +64,25 @@ CREATE TABLE IF NOT EXISTS sandbox_logs (
 CREATE INDEX IF NOT EXISTS sandbox_logs_sandbox ON sandbox_logs(sandbox_id, ts);
 """
 
-#: States a sandbox record can be in. ``creating``/``killing``/``pausing``/``resuming`` are
-#: transient (only seen by crash recovery); the API shows ``running`` and ``paused``.
-STATES = ("creating", "running", "pausing", "paused", "resuming", "killing", "killed")
-LIVE_STATES = ("creating", "running", "pausing", "resuming", "killing")
-LISTED_STATES = ("running", "paused")
+#: Columns newer than the first schema: (name, SQL type and default), added to older databases.
+ADDED_COLUMNS = (
+    ("origin", "TEXT NOT NULL DEFAULT 'boot'"),
+    ("restored_from", "TEXT"),
+    ("pause_snapshot", "TEXT"),
+    ("log_offsets", "TEXT NOT NULL DEFAULT '{}'"),
+)
+
+#: States in which a record still owns host resources (recovery re-attaches or cleans them).
+LIVE_STATES = (
+    SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSING, SandboxState.RESUMING,
+    SandboxState.KILLING,
+)
+#: States the API lists.
+LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+
+#: How a sandbox came to be: booted from its template, restored from the template's snapshot,
+#: claimed from the warm pool, restored from a user snapshot, or restored as a fork child.
+Origin = Literal["boot", "template", "warm_pool", "snapshot", "fork"]
 
 
 def _ts(value: dt.datetime) -> float:
@@ -80,7 +98,7 @@ class SandboxRecord:
     sandbox_id: str
     template_id: str
     client_id: str
-    state: str
+    state: SandboxState
     started_at: dt.datetime
     end_at: dt.datetime
     cpu_count: int
@@ -98,8 +116,13 @@ class SandboxRecord:
     auto_pause: bool = False
     auto_resume: bool = False
     network: dict[str, Any] = field(default_factory=dict)
-    #: Free-form JSON for extensions (e.g. the snapshot a paused sandbox resumes from).
-    extra: dict[str, Any] = field(default_factory=dict)
+    origin: Origin = "boot"
+    #: The snapshot this sandbox was restored from (user snapshot, template snapshot, fork).
+    restored_from: str | None = None
+    #: While paused: the snapshot its resume restores.
+    pause_snapshot: str | None = None
+    #: Bytes of each runtime log file already moved into the sandbox's logs.
+    log_offsets: dict[str, int] = field(default_factory=dict)
     seq: int = 0
 
 
@@ -107,7 +130,7 @@ _COLUMNS = (
     "sandbox_id", "template_id", "alias", "client_id", "metadata", "envs", "state", "started_at",
     "end_at", "cpu_count", "memory_mb", "disk_mb", "runtime", "instance", "envd_version",
     "envd_access_token", "traffic_access_token", "allow_internet_access", "auto_pause",
-    "auto_resume", "network", "extra",
+    "auto_resume", "network", "origin", "restored_from", "pause_snapshot", "log_offsets",
 )
 
 
@@ -119,7 +142,8 @@ def _to_row(rec: SandboxRecord) -> tuple[Any, ...]:
         json.dumps(asdict(rec.instance)) if rec.instance else None, rec.envd_version,
         rec.envd_access_token, rec.traffic_access_token,
         None if rec.allow_internet_access is None else int(rec.allow_internet_access),
-        int(rec.auto_pause), int(rec.auto_resume), json.dumps(rec.network), json.dumps(rec.extra),
+        int(rec.auto_pause), int(rec.auto_resume), json.dumps(rec.network), rec.origin,
+        rec.restored_from, rec.pause_snapshot, json.dumps(rec.log_offsets),
     )
 
 
@@ -134,7 +158,7 @@ def _from_row(row: aiosqlite.Row) -> SandboxRecord:
         client_id=row["client_id"],
         metadata=json.loads(row["metadata"]),
         envs=json.loads(row["envs"]),
-        state=row["state"],
+        state=SandboxState(row["state"]),
         started_at=_dt(row["started_at"]),
         end_at=_dt(row["end_at"]),
         cpu_count=row["cpu_count"],
@@ -149,7 +173,10 @@ def _from_row(row: aiosqlite.Row) -> SandboxRecord:
         auto_pause=bool(row["auto_pause"]),
         auto_resume=bool(row["auto_resume"]),
         network=json.loads(row["network"]),
-        extra=json.loads(row["extra"]),
+        origin=cast(Origin, row["origin"]),
+        restored_from=row["restored_from"],
+        pause_snapshot=row["pause_snapshot"],
+        log_offsets=json.loads(row["log_offsets"]),
     )
 
 
@@ -163,7 +190,7 @@ class LogLine:
 
 @dataclass(frozen=True)
 class ListQuery:
-    states: tuple[str, ...] = LISTED_STATES
+    states: tuple[SandboxState, ...] = LISTED_STATES
     metadata: dict[str, str] = field(default_factory=dict)
     template: str | None = None
     started_after: dt.datetime | None = None
@@ -189,8 +216,24 @@ class SandboxStore:
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.execute("PRAGMA synchronous=NORMAL")
         await self._db.executescript(SCHEMA)
+        await self._add_missing_columns()
         await self._db.commit()
         self._path.chmod(0o600)
+
+    async def _add_missing_columns(self) -> None:
+        async with self.db.execute("PRAGMA table_info(sandboxes)") as cur:
+            have = {r["name"] for r in await cur.fetchall()}
+        for name, decl in ADDED_COLUMNS:
+            if name not in have:
+                await self.db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
+        if "extra" in have and "pause_snapshot" not in have:
+            # Databases made before these were columns kept them in a free-form ``extra`` JSON: a
+            # paused sandbox's pause snapshot must survive the upgrade (start-up deletes unowned ones).
+            await self.db.execute(
+                "UPDATE sandboxes SET pause_snapshot = json_extract(extra, '$.pause_snapshot'),"
+                " restored_from = json_extract(extra, '$.restored_from'),"
+                " log_offsets = coalesce(json_extract(extra, '$.log_offsets'), '{}')"
+            )
 
     async def close(self) -> None:
         if self._db is not None:
@@ -227,7 +270,7 @@ class SandboxStore:
             row = await cur.fetchone()
         return _from_row(row) if row else None
 
-    async def in_states(self, states: Iterable[str]) -> list[SandboxRecord]:
+    async def in_states(self, states: Iterable[SandboxState]) -> list[SandboxRecord]:
         wanted = tuple(states)
         marks = ", ".join("?" for _ in wanted)
         async with self.db.execute(
@@ -287,12 +330,11 @@ class SandboxStore:
             )
             await self.db.commit()
 
-    async def set_extra(self, sandbox_id: str, key: str, value: Any) -> None:
-        """Update one key of a record's ``extra`` JSON without rewriting the record."""
+    async def set_log_offsets(self, sandbox_id: str, offsets: dict[str, int]) -> None:
+        """Record how far the runtime log files were collected, without rewriting the record."""
         async with self._write_lock:
             await self.db.execute(
-                "UPDATE sandboxes SET extra = json_set(extra, ?, json(?)) WHERE sandbox_id = ?",
-                (f"$.{key}", json.dumps(value), sandbox_id),
+                "UPDATE sandboxes SET log_offsets = ? WHERE sandbox_id = ?", (json.dumps(offsets), sandbox_id)
             )
             await self.db.commit()
 

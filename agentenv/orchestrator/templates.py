@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.types import TemplateImage
+from agentenv.errors import NotFound
 from agentenv.storage import templates as storage
+from agentenv.types import TemplateImage
 
 
-class TemplateNotFound(Exception):
+class TemplateNotFound(NotFound):
     pass
 
 
@@ -33,7 +34,7 @@ def load(template_id: str, settings: Settings) -> TemplateInfo:
     try:
         image = storage.load_template(template_id, settings)
     except storage.TemplateError as exc:
-        raise TemplateNotFound(str(exc)) from None
+        raise TemplateNotFound(f"template '{template_id}' not found: {exc}") from None
     return _info(image)
 
 

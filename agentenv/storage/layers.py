@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from agentenv.errors import Failed
 from agentenv.storage.reflink import FICLONE
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ _building: set[str] = set()
 _building_lock = threading.Lock()
 
 
-class LayerError(Exception):
-    pass
+class LayerError(Failed):
+    """A layer operation failed: a bad or missing layer, an upper that cannot be adopted, an
+    overlay that cannot be mounted."""
 
 
 class LayerStore:
@@ -166,7 +168,7 @@ class LayerStore:
 
     def disk_usage(self, layer_id: str) -> int:
         """Bytes the layer allocates (``st_blocks``; hard-linked inodes counted once)."""
-        return _allocated(self.path(layer_id))
+        return tree_bytes(self.path(layer_id))
 
     def _ensure_root(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -267,19 +269,24 @@ def _syncfs(path: Path) -> None:
         os.close(fd)
 
 
-def _allocated(root: Path) -> int:
+def tree_bytes(root: Path) -> int:
+    """Bytes the tree ``root`` allocates (``st_blocks``, hard-linked inodes counted once, symlinks
+    not followed); 0 when it does not exist. Entries removed while it walks are skipped: the tree
+    may be a running sandbox's upper."""
     seen: set[tuple[int, int]] = set()
-    total = os.lstat(root).st_blocks * 512
+    total = 0
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            st = os.lstat(os.path.join(dirpath, name))
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
             if st.st_nlink > 1:
                 if (st.st_dev, st.st_ino) in seen:
                     continue
                 seen.add((st.st_dev, st.st_ino))
             total += st.st_blocks * 512
     return total
-
 
 # --------------------------------------------------------------------------------------- squash
 
@@ -594,4 +601,5 @@ __all__ = [
     "LayerStore",
     "overlay_mount",
     "overlay_unmount",
+    "tree_bytes",
 ]

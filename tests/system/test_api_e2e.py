@@ -10,14 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox
-from e2e_fixtures import *  # noqa: F403  (the agentenv_server fixture)
-from e2e_fixtures import (
-    ServerProcess,
-    base_template_missing,
-    host_resources,
-    start_server,
-    wait_no_host_resources,
-)
+
+from tests.support import base_template_missing
+from tests.support.leaks import host_resources, wait_no_host_resources
+from tests.support.server import ServerProcess, start_server
 
 
 def e2b_error(resp: httpx.Response, status: int) -> str:

@@ -9,10 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from e2e_fixtures import *  # noqa: F403  (the agentenv_server fixture)
-from e2e_fixtures import ServerProcess, wait_no_host_resources
 
-JS_DIR = Path(__file__).parent / "js"
+from tests.support import TESTS
+from tests.support.leaks import wait_no_host_resources
+from tests.support.server import ServerProcess
+
+JS_DIR = TESTS / "js"
 
 
 def test_js_sdk_create_run_write_read_kill(agentenv_server: ServerProcess) -> None:

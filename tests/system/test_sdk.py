@@ -15,8 +15,9 @@ import pytest
 from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxQuery
 from e2b.exceptions import SandboxException
 from e2b.sandbox.commands.command_handle import PtySize
-from e2e_fixtures import *  # noqa: F403  (the agentenv_server fixture)
-from e2e_fixtures import ServerProcess, wait_no_host_resources
+
+from tests.support.leaks import wait_no_host_resources
+from tests.support.server import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import os
 import pytest
 from e2b import AsyncSandbox, CommandExitException, NotFoundException, SandboxQuery
 from e2b.sandbox.commands.command_handle import PtySize
-from e2e_fixtures import *  # noqa: F403  (the agentenv_server fixture)
-from e2e_fixtures import ServerProcess, wait_no_host_resources
+
+from tests.support.leaks import wait_no_host_resources
+from tests.support.server import ServerProcess
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -1,5 +1,5 @@
 """Control plane and proxy over real sockets, with a loopback test runtime (see
-test_api_helpers.py): schemas, auth, error shape, pagination, timeouts, streaming proxy."""
+tests/support/loopback.py): schemas, auth, error shape, pagination, timeouts, streaming proxy."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ import pytest
 import pytest_asyncio
 import uvicorn
 import websockets
-from test_api_helpers import LoopbackRuntime, free_port, write_template
 
 from agentenv.api.app import create_app
 from agentenv.config import Settings
 from agentenv.types import ENVD_PORT
 from agentenv.orchestrator.ids import SANDBOX_ID_RE
+from tests.support import free_port
+from tests.support.loopback import LoopbackRuntime, write_template
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

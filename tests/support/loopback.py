@@ -1,8 +1,9 @@
-"""Test support for the API-layer tests: a loopback "runtime" whose sandboxes are real HTTP
-servers (a dummy upstream) on their own 127.x.y.z address, port 49983 like envd.
+"""A loopback "runtime" for the API-layer unit tests (tests/unit/test_api.py): its sandboxes are
+real HTTP servers (a dummy upstream) on their own 127.x.y.z address, port 49983 like envd.
 
-It exercises the control plane and the proxy with real sockets; it is not an isolation runtime
-and lives only under tests/. The end-to-end tests (test_sdk*.py) use the real gVisor runtime.
+It exercises the control plane and the proxy with real sockets, as any user; it is not an
+isolation runtime and lives only under tests/. The end-to-end tests (tests/system/test_sdk*.py)
+use the real gVisor runtime.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import hashlib
 import json
 import secrets
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,6 @@ from starlette.websockets import WebSocket
 from agentenv.types import ENVD_PORT
 from agentenv.runtime.base import Runtime, RuntimeError_
 from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

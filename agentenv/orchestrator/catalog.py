@@ -1,0 +1,176 @@
+"""The snapshot catalog: snapshots on disk and their rows, for the lifecycle owner.
+
+Writing a snapshot is: the runtime writes it into a temp dir, the dir is committed by rename,
+then the row is added (``agentenv.storage.snapshots``); a crash before the row leaves a dir the
+start-up sweep removes. Snapshots share disk layers; :meth:`SnapshotCatalog.collect_garbage` has
+each runtime free the layers nothing names any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiosqlite
+
+from agentenv.errors import Failed
+from agentenv.runtime.base import Runtime
+from agentenv.storage import snapshots as storage
+from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
+from agentenv.types import SandboxInstance, SnapshotRef, TemplateImage
+
+log = logging.getLogger(__name__)
+
+#: ``pause``: a paused sandbox's state (deleted on resume/kill); ``snapshot``: a user snapshot;
+#: ``fork``: a fork's one checkpoint (deleted when the fork ends); ``template``: a template's
+#: booted state, which creates from the template restore.
+SnapshotKind = Literal["pause", "snapshot", "fork", "template"]
+
+
+def new_snapshot_id() -> str:
+    return "snap" + secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """What a snapshot records about the sandbox it was taken of (the row's ``info`` JSON)."""
+
+    template_rootfs: str | None
+    cpu_count: int = 2
+    memory_mb: int = 512
+    disk_mb: int = 4096
+    envs: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    #: envd in the image still requires the source's token: restored sandboxes keep it.
+    envd_access_token: str | None = None
+    duration_ms: int = 0
+
+    @classmethod
+    def of(cls, row: SnapshotRow) -> SnapshotMeta:
+        info = row.info
+        return cls(
+            template_rootfs=info.get("template_rootfs"),
+            cpu_count=int(info.get("cpu_count", 2)),
+            memory_mb=int(info.get("memory_mb", 512)),
+            disk_mb=int(info.get("disk_mb", 4096)),
+            envs=dict(info.get("envs") or {}),
+            metadata=dict(info.get("metadata") or {}),
+            envd_access_token=info.get("envd_access_token"),
+            duration_ms=int(info.get("duration_ms", 0)),
+        )
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "template_rootfs": self.template_rootfs, "cpu_count": self.cpu_count,
+            "memory_mb": self.memory_mb, "disk_mb": self.disk_mb, "envs": self.envs,
+            "metadata": self.metadata, "envd_access_token": self.envd_access_token,
+            "duration_ms": self.duration_ms,
+        }
+
+    def image(self, template_id: str) -> TemplateImage:
+        """The template the snapshot's sandbox stood on, as recorded when it was taken."""
+        if not self.template_rootfs:
+            raise Failed(f"snapshot of template {template_id} does not record its root file system")
+        return TemplateImage(template_id=template_id, rootfs=Path(self.template_rootfs),
+                             vcpus=self.cpu_count, memory_mb=self.memory_mb, disk_mb=self.disk_mb)
+
+
+class SnapshotCatalog:
+    def __init__(self, data_dir: Path) -> None:
+        self._data_dir = data_dir
+        self._store: SnapshotStore | None = None
+        self._gc_lock = asyncio.Lock()
+
+    async def open(self, db: aiosqlite.Connection) -> None:
+        """Open on the registry's database connection (one SQLite file per node)."""
+        self._store = SnapshotStore(db, self._data_dir)
+        await self._store.open()
+
+    @property
+    def store(self) -> SnapshotStore:
+        if self._store is None:
+            raise RuntimeError("the snapshot catalog is not open")
+        return self._store
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def write(
+        self, runtime: Runtime, instance: SandboxInstance, *, stop: bool, parent: SnapshotRef | None = None
+    ) -> SnapshotRef:
+        """Snapshot ``instance`` into a temp dir and commit it by rename. The caller records it
+        with :meth:`add`: a crash before that leaves a directory the start-up sweep removes."""
+        snapshot_id = new_snapshot_id()
+        temp = storage.temp_ref(self._data_dir, snapshot_id)
+        temp = SnapshotRef(snapshot_id=temp.snapshot_id, path=temp.path, parent=parent)
+        try:
+            await runtime.snapshot(instance, temp, stop=stop)
+            return await asyncio.to_thread(storage.commit_dir, self._data_dir, temp)
+        except BaseException:
+            await asyncio.to_thread(storage.remove_dir, temp.path)
+            raise
+
+    async def add(self, row: SnapshotRow) -> None:
+        await self.store.add(row)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def ref(self, row: SnapshotRow) -> SnapshotRef:
+        """Where the snapshot lies, with the chain of snapshots it is incremental to."""
+        parent = None
+        if row.parent_id:
+            parent_row = await self.store.get(row.parent_id)
+            if parent_row is None:
+                raise Failed(f"snapshot {row.snapshot_id} is incremental to {row.parent_id}, which is gone")
+            parent = await self.ref(parent_row)
+        own = self.store.ref(row)
+        return SnapshotRef(snapshot_id=own.snapshot_id, path=own.path, parent=parent)
+
+    async def get(self, snapshot_id: str) -> SnapshotRow | None:
+        return await self.store.get(snapshot_id)
+
+    async def find_user_snapshot(self, name_or_id: str) -> SnapshotRow | None:
+        row = await self.store.find(name_or_id)
+        return row if row is not None and row.kind == "snapshot" else None
+
+    async def rows(self, kind: SnapshotKind | None = None, source: str | None = None) -> list[SnapshotRow]:
+        return await self.store.rows(kind=kind, source=source)
+
+    # -- removing ----------------------------------------------------------------------------
+
+    async def delete(self, snapshot_id: str) -> None:
+        await self.store.delete(snapshot_id)
+
+    async def sweep(self, paused: dict[str, str]) -> list[str]:
+        """At start-up: drop uncommitted snapshot dirs, pause snapshots no paused sandbox owns
+        (``paused``: sandbox id -> its pause snapshot) and every fork snapshot (one never
+        outlives its request: one left behind was cut short by a crash, and recovery has
+        already revived its parent from it)."""
+        removed = await self.store.sweep_incomplete()
+        for row in await self.rows("pause"):
+            if paused.get(row.source_sandbox_id) != row.snapshot_id:
+                await self.delete(row.snapshot_id)
+                removed.append(row.snapshot_id)
+        for row in await self.rows("fork"):
+            await self.delete(row.snapshot_id)
+            removed.append(row.snapshot_id)
+        return removed
+
+    async def collect_garbage(self, runtimes: Iterable[Runtime]) -> None:
+        """Have every runtime free the disk layers no snapshot and no sandbox uses any more."""
+        async with self._gc_lock:
+            for runtime in runtimes:
+
+                async def live(name: str = runtime.name) -> list[SnapshotRef]:
+                    return [self.store.ref(r) for r in await self.rows() if r.runtime == name]
+
+                try:
+                    await runtime.collect_garbage(live)
+                except Exception:
+                    # Collection is retried after the next kill, delete or resume; a failure here
+                    # must not fail the operation that triggered it.
+                    log.exception("%s: collecting unused disk layers failed", runtime.name)

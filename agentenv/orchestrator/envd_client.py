@@ -1,0 +1,49 @@
+"""What the orchestrator says to envd itself: ``POST /init`` after every create, restore and claim."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from agentenv.errors import Unavailable
+from agentenv.orchestrator.timing import utcnow
+from agentenv.types import SandboxInstance
+
+DEFAULT_USER = "user"
+DEFAULT_WORKDIR = "/home/user"
+INIT_ATTEMPTS = 20
+
+
+class EnvdClient:
+    def __init__(self) -> None:
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
+
+    async def init(self, instance: SandboxInstance, envs: dict[str, str], access_token: str | None) -> None:
+        """``POST /init``: env vars, access token, clock and default user (envd.yaml)."""
+        body: dict[str, object] = {
+            "envVars": envs,
+            "timestamp": utcnow().isoformat().replace("+00:00", "Z"),
+            "defaultUser": DEFAULT_USER,
+            "defaultWorkdir": DEFAULT_WORKDIR,
+        }
+        headers = {}
+        if access_token:
+            body["accessToken"] = access_token
+            headers["X-Access-Token"] = access_token
+        url = instance.envd_url.rstrip("/") + "/init"
+        last: Exception | None = None
+        for attempt in range(INIT_ATTEMPTS):
+            try:
+                resp = await self._http.post(url, json=body, headers=headers)
+            except httpx.TransportError as exc:  # envd answered /health, so this is transient
+                last = exc
+                await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+                continue
+            if resp.status_code >= 300:
+                raise Unavailable(f"envd /init answered {resp.status_code}: {resp.text[:300]}")
+            return
+        raise Unavailable(f"envd /init unreachable at {url}: {last}")
+
+    async def close(self) -> None:
+        await self._http.aclose()

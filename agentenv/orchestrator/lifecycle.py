@@ -1,0 +1,811 @@
+"""The one owner of the sandbox lifecycle state machine.
+
+Every transition has the same shape (the way gVisor's ``runsc/container`` does it): check the
+operation is allowed in the sandbox's state, under that sandbox's lock; run the runtime
+operation; record the new state; persist. States and edges are :data:`EDGES`; which operation
+may start from which state is :data:`STARTS_FROM` (docs/ARCHITECTURE.md draws both)::
+
+    creating --> running <--> pausing --> paused --> resuming --> running
+        |           |            |          |           |
+        +-----------+------------+----------+-----------+--> killing --> killed
+
+Every way a sandbox comes up (cold boot, template snapshot restore, warm-pool claim, user
+snapshot restore, fork child) is one path, :meth:`Orchestrator._bring_up`, which registers an
+undo for each step it took. The snapshot catalog, the template snapshots with their warm pool,
+the runtimes, the registry, envd's client and the logs are collaborators handed in at
+construction (:func:`build_orchestrator` is the composition root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import NoReturn
+
+from agentenv.config import Settings
+from agentenv.errors import AgentenvError, Conflict, Failed, Gone, Invalid, NotFound, Unavailable
+from agentenv.orchestrator import templates
+from agentenv.orchestrator.background import Background
+from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotKind, SnapshotMeta
+from agentenv.orchestrator.envd_client import EnvdClient
+from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
+from agentenv.orchestrator.logs import SandboxLogs
+from agentenv.orchestrator.runtimes import RuntimeSet
+from agentenv.orchestrator.store import (
+    LIVE_STATES,
+    ListQuery,
+    LogLine,
+    Origin,
+    SandboxRecord,
+    SandboxStore,
+)
+from agentenv.orchestrator.template_snapshots import TemplateSnapshot, TemplateSnapshots
+from agentenv.orchestrator.timing import elapsed_ms, utcnow
+from agentenv.orchestrator.undo import Undo
+from agentenv.runtime.base import Runtime
+from agentenv.storage.snapshots import SnapshotRow
+from agentenv.types import (
+    ENVD_VERSION,
+    SandboxInstance,
+    SandboxMetrics,
+    SandboxSpec,
+    SandboxState,
+    TemplateImage,
+)
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+
+#: The state machine: the states a sandbox may move to from each state.
+EDGES: dict[SandboxState, frozenset[SandboxState]] = {
+    S.CREATING: frozenset({S.RUNNING, S.KILLING, S.KILLED}),
+    S.RUNNING: frozenset({S.PAUSING, S.KILLING}),
+    # A pause whose checkpoint failed but left the sandbox alive goes back to running.
+    S.PAUSING: frozenset({S.PAUSED, S.RUNNING, S.KILLING}),
+    S.PAUSED: frozenset({S.RESUMING, S.KILLING}),
+    S.RESUMING: frozenset({S.RUNNING, S.KILLING}),
+    # A kill whose runtime clean-up failed stays "killing"; the next start-up retries it.
+    S.KILLING: frozenset({S.KILLING, S.KILLED}),
+    S.KILLED: frozenset(),
+}
+
+#: Which operation may start from which state (under the sandbox's lock; the transient states
+#: are never seen there, only by crash recovery).
+STARTS_FROM: dict[str, frozenset[SandboxState]] = {
+    "kill": frozenset({S.RUNNING, S.PAUSED}),
+    "pause": frozenset({S.RUNNING}),
+    "resume": frozenset({S.PAUSED}),
+    "connect": frozenset({S.RUNNING, S.PAUSED}),
+    "snapshot": frozenset({S.RUNNING}),
+    "fork": frozenset({S.RUNNING}),
+    "set_timeout": frozenset({S.RUNNING, S.PAUSED}),
+    "refresh": frozenset({S.RUNNING}),
+}
+
+CLIENT_ID = "agentenv"
+REAPER_INTERVAL_SECONDS = 0.5
+METRICS_INTERVAL_SECONDS = 5.0
+METRICS_HISTORY = 720  # one hour at 5 s
+IDEMPOTENCY_KEYS_KEPT = 10_000
+#: Parallel restores of a fork: each is a runsc (or VMM) start plus a CPU-bound state load, so
+#: two per core keep the cores busy while one waits on I/O; more only queue.
+FORK_PARALLELISM = max(2, 2 * (os.cpu_count() or 1))
+#: The API's limit (openapi.yml: SandboxForkRequest.count maximum); the SDKs send at most 20.
+MAX_FORK_COUNT = 100
+#: Seconds the server waits for background work (template snapshots, collections) on close.
+CLOSE_GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template_id: str
+    timeout_seconds: int
+    metadata: dict[str, str]
+    envs: dict[str, str]
+    secure: bool
+    allow_internet_access: bool | None
+    auto_pause: bool = False
+    auto_resume: bool = False
+    allow_public_traffic: bool = True
+    network: dict[str, object] | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the proxy sends a sandbox's traffic."""
+
+    sandbox_id: str
+    address: str
+    envd_url: str
+    traffic_access_token: str | None
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    at: dt.datetime
+    metrics: SandboxMetrics
+
+
+@dataclass(frozen=True)
+class ForkOutcome:
+    record: SandboxRecord | None
+    error: AgentenvError | None
+
+
+# What a sandbox comes up from (see :meth:`Orchestrator._bring_up`).
+
+
+@dataclass(frozen=True)
+class Boot:
+    image: TemplateImage
+
+
+@dataclass(frozen=True)
+class Restore:
+    row: SnapshotRow
+    image: TemplateImage
+
+
+@dataclass(frozen=True)
+class Claim:
+    instance: SandboxInstance
+    image: TemplateImage
+
+
+Source = Boot | Restore | Claim
+
+
+def conflict(rec: SandboxRecord, op: str) -> Conflict:
+    if op == "pause" and rec.state == S.PAUSED:
+        return Conflict(f"sandbox {rec.sandbox_id} is already paused")
+    if op == "resume" and rec.state == S.RUNNING:
+        return Conflict(f"sandbox {rec.sandbox_id} is already running")
+    if STARTS_FROM[op] == {S.RUNNING}:
+        return Conflict(f"sandbox {rec.sandbox_id} is {rec.state}, not running")
+    return Conflict(f"cannot {op.replace('_', ' ')} sandbox {rec.sandbox_id}: it is {rec.state}")
+
+
+def failure(exc: BaseException, what: str) -> BaseException:
+    """Why ``what`` failed, as an error kind the API can answer with: the kind of an
+    :class:`AgentenvError` is kept; anything unexpected is :class:`Failed` (the caller chains
+    the cause)."""
+    if isinstance(exc, AgentenvError):
+        return type(exc)(f"{what} failed: {exc.message}")
+    if isinstance(exc, Exception):
+        return Failed(f"{what} failed: {type(exc).__name__}: {exc}")
+    return exc  # cancellation and interpreter exits pass as they are
+
+
+def raise_failure(exc: BaseException, what: str) -> NoReturn:
+    err = failure(exc, what)
+    if err is exc:
+        raise exc
+    raise err from exc
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        runtimes: RuntimeSet,
+        store: SandboxStore,
+        catalog: SnapshotCatalog,
+        template_snapshots: TemplateSnapshots,
+        background: Background,
+        envd: EnvdClient,
+        logs: SandboxLogs,
+    ) -> None:
+        self.settings = settings
+        self.runtimes = runtimes
+        self.store = store
+        self.catalog = catalog
+        self.template_snapshots = template_snapshots
+        self.background = background
+        self.envd = envd
+        self.logs = logs
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._routes: dict[str, Route] = {}
+        self._metrics: dict[str, list[MetricSample]] = {}
+        self._idempotency: dict[str, str] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- start-up and shut-down ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.open()
+        await self.catalog.open(self.store.db)
+        await self._recover()
+        paused = {r.sandbox_id: r.pause_snapshot or "" for r in await self.store.in_states((S.PAUSED,))}
+        removed = await self.catalog.sweep(paused)
+        if removed:
+            log.info("snapshot recovery removed %s", ", ".join(removed))
+        await self.catalog.collect_garbage(self.runtimes)
+        await self.template_snapshots.warm_up()
+        self._reaper = asyncio.create_task(self._reap_forever(), name="agentenv-reaper")
+
+    async def close(self) -> None:
+        """Stop background work and kill pooled sandboxes. Sandboxes with a record keep running:
+        a restarted server re-attaches them."""
+        await self.template_snapshots.close()
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.background.drain(CLOSE_GRACE_SECONDS)
+        await self.envd.close()
+        await self.store.close()
+
+    async def _recover(self) -> None:
+        """Re-attach sandboxes that survived a server restart, revive a fork's parent a crash
+        left stopped, clean up the rest; then have each runtime remove what no record names."""
+        for rec in await self.store.in_states(LIVE_STATES):
+            if rec.state == S.RUNNING and await self._is_alive(rec):
+                self._attach(rec)
+                log.info("recovery: re-attached running sandbox %s", rec.sandbox_id)
+            elif rec.state == S.RUNNING and await self._revive(rec):
+                log.info("recovery: revived sandbox %s from its fork checkpoint", rec.sandbox_id)
+            else:
+                log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
+                with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
+                    await self._destroy(rec, reason=f"server restart found it {rec.state} but not alive")
+        keep = {r.sandbox_id for r in await self.store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
+        for runtime in self.runtimes:
+            try:
+                removed = await runtime.cleanup_orphans(keep)
+            except Exception:
+                log.exception("recovery: %s cleanup_orphans failed", runtime.name)
+                continue
+            if removed:
+                log.info("recovery: %s removed leaked sandboxes %s", runtime.name, ", ".join(removed))
+
+    async def _is_alive(self, rec: SandboxRecord) -> bool:
+        if rec.instance is None:
+            return False
+        try:
+            return await self._runtime(rec).is_alive(rec.instance)
+        except Exception as exc:
+            log.warning("recovery: cannot tell whether %s is alive: %s", rec.sandbox_id, exc)
+            return False
+
+    async def _revive(self, rec: SandboxRecord) -> bool:
+        """Restore a sandbox recorded running but found stopped from the fork checkpoint a crash
+        cut short (a fork's parent is stopped between its checkpoint and its own restore)."""
+        rows = await self.catalog.rows("fork", source=rec.sandbox_id)
+        if not rows:
+            return False
+        try:
+            await self._restore_in_place(rec, rows[0])
+        except Exception as exc:
+            log.warning("reviving %s from %s failed: %s", rec.sandbox_id, rows[0].snapshot_id, exc)
+            return False
+        await self.store.save(rec)
+        self._attach(rec)
+        return True
+
+    # -- the shape of every transition ---------------------------------------------------------
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    @contextlib.asynccontextmanager
+    async def _operate(self, sandbox_id: str, op: str) -> AsyncIterator[SandboxRecord]:
+        """Hold the sandbox's lock and yield its record once ``op`` may start from its state."""
+        async with self._lock(sandbox_id):
+            rec = await self.get(sandbox_id)
+            if rec.state not in STARTS_FROM[op]:
+                raise conflict(rec, op)
+            yield rec
+
+    async def _enter(self, rec: SandboxRecord, state: SandboxState) -> None:
+        """Record ``rec``'s move to ``state`` and persist it (the caller holds the lock)."""
+        if state != rec.state and state not in EDGES[rec.state]:
+            raise Failed(f"sandbox {rec.sandbox_id}: no transition from {rec.state} to {state}")
+        rec.state = state
+        await self.store.save(rec)
+
+    def _runtime(self, rec: SandboxRecord) -> Runtime:
+        return self.runtimes.named(rec.runtime)
+
+    def _attach(self, rec: SandboxRecord) -> None:
+        """Make a running sandbox reachable through the proxy."""
+        assert rec.instance is not None
+        self._routes[rec.sandbox_id] = Route(
+            sandbox_id=rec.sandbox_id,
+            address=rec.instance.address,
+            envd_url=rec.instance.envd_url,
+            traffic_access_token=rec.traffic_access_token,
+        )
+
+    def _detach(self, sandbox_id: str) -> None:
+        self._routes.pop(sandbox_id, None)
+        self._metrics.pop(sandbox_id, None)
+
+    def route(self, sandbox_id: str) -> Route | None:
+        return self._routes.get(sandbox_id)
+
+    @staticmethod
+    def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
+        return SandboxSpec(
+            sandbox_id=rec.sandbox_id, template=image, envs=rec.envs,
+            allow_internet_access=rec.allow_internet_access is not False,
+            envd_access_token=rec.envd_access_token,
+        )
+
+    # -- bringing a sandbox up: create, restore, claim, fork child -----------------------------
+
+    async def create(self, req: CreateRequest, idempotency_key: str | None = None) -> SandboxRecord:
+        """Create a sandbox from a template or a user snapshot (``templateID`` names either).
+        Runs shielded: a client that disconnects mid-way does not leave a half-made sandbox."""
+        if idempotency_key and idempotency_key in self._idempotency:
+            existing = await self.store.get(self._idempotency[idempotency_key])
+            if existing and existing.state != S.KILLED:
+                return existing
+        rec = await asyncio.shield(self.background.spawn(self._create(req)))
+        if idempotency_key:
+            self._idempotency[idempotency_key] = rec.sandbox_id
+            while len(self._idempotency) > IDEMPOTENCY_KEYS_KEPT:  # oldest first (dict order)
+                self._idempotency.pop(next(iter(self._idempotency)))
+        return rec
+
+    async def _create(self, req: CreateRequest) -> SandboxRecord:
+        row = await self.catalog.find_user_snapshot(req.template_id)
+        if row is not None:
+            return await self._restore_new(row, req, origin="snapshot")
+        info = templates.load(req.template_id, self.settings)
+        runtime = self.runtimes.for_template(info.image)
+        snap = await self.template_snapshots.lookup(info, runtime)
+        if snap is not None:
+            rec = await self._from_template_snapshot(snap, req)
+            if rec is not None:
+                return rec
+        new = self._new_record(new_sandbox_id(), req, template_id=info.image.template_id,
+                               runtime=runtime.name, image=info.image, origin="boot")
+        return await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
+
+    async def _from_template_snapshot(self, snap: TemplateSnapshot, req: CreateRequest) -> SandboxRecord | None:
+        """Claim a warm-pool sandbox, else restore the template's snapshot; None (boot instead)
+        when the snapshot does not restore. Pooled sandboxes have internet access."""
+        template_id = snap.image.template_id
+        instance = self.template_snapshots.claim(snap) if req.allow_internet_access is not False else None
+        if instance is not None:
+            rec = self._from_snapshot_record(snap.row, instance.sandbox_id, req, template_id, "warm_pool")
+            try:
+                return await self._bring_up(rec, snap.runtime, Claim(instance, snap.image), req.timeout_seconds)
+            except AgentenvError as exc:
+                log.warning("claiming pooled sandbox %s failed (%s); restoring instead", rec.sandbox_id, exc)
+        try:
+            return await self._restore_new(snap.row, req, template_id=template_id, origin="template")
+        except (Failed, Unavailable, Gone) as exc:
+            log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
+            await self.template_snapshots.drop(snap)
+            self.background.spawn(self.catalog.collect_garbage(self.runtimes))
+            return None
+
+    async def _restore_new(
+        self, row: SnapshotRow, req: CreateRequest, *, origin: Origin, template_id: str | None = None
+    ) -> SandboxRecord:
+        rec = self._from_snapshot_record(row, new_sandbox_id(), req, template_id, origin)
+        image = SnapshotMeta.of(row).image(row.template_id)
+        return await self._bring_up(rec, self._runtime(rec), Restore(row, image), req.timeout_seconds)
+
+    async def _bring_up(
+        self, rec: SandboxRecord, runtime: Runtime, source: Source, timeout_seconds: int
+    ) -> SandboxRecord:
+        """The one way a sandbox comes up: registry row, runtime instance (boot, restore or a
+        pooled one), envd ``/init``, running. Each step registers its undo; a failure undoes them
+        newest first and leaves a killed record with the reason in its logs."""
+        undo = Undo(f"bringing up sandbox {rec.sandbox_id}")
+        started = time.monotonic()
+        async with self._lock(rec.sandbox_id):
+            try:
+                await self.store.insert(rec)
+                undo.push("registry row", lambda: self._mark_failed(rec, runtime))
+                undo.push("runtime instance", lambda: runtime.kill(
+                    rec.instance or SandboxInstance.placeholder(rec.sandbox_id, runtime.name)))
+                rec.instance = await self._materialise(runtime, source, self._spec(rec, source.image))
+                up = time.monotonic()
+                await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+                await self._go_live(rec, timeout_seconds)
+                undo.commit()
+            except BaseException as exc:
+                await undo.rollback()
+                await self.logs.event(rec.sandbox_id, "error", f"sandbox creation failed: {exc}")
+                raise_failure(exc, "sandbox creation" if isinstance(source, Boot) else "sandbox restore")
+        await self.logs.event(
+            rec.sandbox_id, "info", f"sandbox created ({rec.origin})", runtime=runtime.name,
+            template=rec.template_id, up_ms=str(round((up - started) * 1000)),
+            init_ms=str(elapsed_ms(up)),
+        )
+        return rec
+
+    async def _materialise(self, runtime: Runtime, source: Source, spec: SandboxSpec) -> SandboxInstance:
+        if isinstance(source, Boot):
+            return await runtime.create(spec)
+        if isinstance(source, Restore):
+            return await runtime.restore(spec, await self.catalog.ref(source.row))
+        return source.instance
+
+    async def _go_live(self, rec: SandboxRecord, timeout_seconds: int) -> None:
+        """Running, reachable, and the timeout counts from now (when it is usable, as E2B's)."""
+        now = utcnow()
+        rec.started_at = now
+        rec.end_at = now + dt.timedelta(seconds=timeout_seconds)
+        await self._enter(rec, S.RUNNING)
+        self._attach(rec)
+
+    async def _mark_failed(self, rec: SandboxRecord, runtime: Runtime) -> None:
+        rec.end_at = utcnow()
+        await self._enter(rec, S.KILLED)
+        log.warning("create of %s on %s failed; its record is marked killed", rec.sandbox_id, runtime.name)
+
+    def _new_record(
+        self, sandbox_id: str, req: CreateRequest, *, template_id: str, runtime: str,
+        image: TemplateImage | SnapshotMeta, origin: Origin, alias: str | None = None,
+        envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+        envd_access_token: str | None = None, restored_from: str | None = None,
+    ) -> SandboxRecord:
+        now = utcnow()
+        vcpus = image.vcpus if isinstance(image, TemplateImage) else image.cpu_count
+        return SandboxRecord(
+            sandbox_id=sandbox_id, template_id=template_id, alias=alias or template_id,
+            client_id=CLIENT_ID, state=S.CREATING, started_at=now,
+            end_at=now + dt.timedelta(seconds=req.timeout_seconds),
+            cpu_count=vcpus, memory_mb=image.memory_mb, disk_mb=image.disk_mb, runtime=runtime,
+            envd_version=ENVD_VERSION, metadata=dict(metadata if metadata is not None else req.metadata),
+            envs=dict(envs if envs is not None else req.envs),
+            envd_access_token=envd_access_token or (new_access_token() if req.secure else None),
+            traffic_access_token=None if req.allow_public_traffic else new_access_token(),
+            allow_internet_access=req.allow_internet_access, auto_pause=req.auto_pause,
+            auto_resume=req.auto_resume, network=dict(req.network or {}), origin=origin,
+            restored_from=restored_from,
+        )
+
+    def _from_snapshot_record(
+        self, row: SnapshotRow, sandbox_id: str, req: CreateRequest, template_id: str | None, origin: Origin
+    ) -> SandboxRecord:
+        """A user snapshot's sandboxes carry its id as their template; a template snapshot's carry
+        the template's id. Metadata and env vars default to the snapshot's; envd in the image
+        keeps the source's access token, if any."""
+        meta = SnapshotMeta.of(row)
+        return self._new_record(
+            sandbox_id, req, template_id=template_id or row.snapshot_id, runtime=row.runtime,
+            image=meta, origin=origin, alias=template_id or row.name or row.snapshot_id,
+            envs={**meta.envs, **req.envs}, metadata=req.metadata or meta.metadata,
+            envd_access_token=meta.envd_access_token, restored_from=row.snapshot_id,
+        )
+
+    # -- queries -------------------------------------------------------------------------------
+
+    async def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = await self.store.get(sandbox_id)
+        if rec is None or rec.state == S.KILLED:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        return rec
+
+    async def list_sandboxes(self, query: ListQuery) -> list[SandboxRecord]:
+        return await self.store.query(query)
+
+    async def sandbox_logs(
+        self, sandbox_id: str, *, start: dt.datetime | None, limit: int, ascending: bool = True
+    ) -> list[LogLine]:
+        rec = await self.store.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if rec.state != S.KILLED:
+            await self.logs.collect(rec)
+        return await self.store.logs(sandbox_id, start=start, limit=limit, ascending=ascending)
+
+    async def metrics(self, sandbox_id: str) -> list[MetricSample]:
+        """The sampled history plus a fresh sample (running sandboxes only have metrics)."""
+        rec = await self.get(sandbox_id)
+        if rec.state == S.RUNNING:
+            await self._sample(rec)
+        return list(self._metrics.get(sandbox_id, []))
+
+    async def _sample(self, rec: SandboxRecord) -> None:
+        if rec.instance is None:
+            return
+        try:
+            m = await self._runtime(rec).metrics(rec.instance)
+        except Exception as exc:  # a sandbox mid-transition has no metrics: skip this sample
+            log.debug("metrics of %s failed: %s", rec.sandbox_id, exc)
+            return
+        history = self._metrics.setdefault(rec.sandbox_id, [])
+        history.append(MetricSample(utcnow(), m))
+        del history[:-METRICS_HISTORY]
+
+    # -- kill and timeouts ---------------------------------------------------------------------
+
+    async def kill(self, sandbox_id: str) -> None:
+        async with self._operate(sandbox_id, "kill") as rec:
+            await self._destroy(rec, reason="killed by request")
+
+    async def _destroy(self, rec: SandboxRecord, *, reason: str) -> None:
+        """Tear the sandbox down and mark it killed (caller holds the lock, or it is recovery)."""
+        self._detach(rec.sandbox_id)
+        try:
+            await self.logs.collect(rec)  # the files go away with the sandbox
+        except OSError as exc:
+            log.warning("collecting the logs of %s failed: %s", rec.sandbox_id, exc)
+        await self._enter(rec, S.KILLING)
+        instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
+        try:
+            await self._runtime(rec).kill(instance)
+        except Exception as exc:
+            await self.logs.event(rec.sandbox_id, "error", f"kill failed: {exc}")
+            raise Failed(f"killing sandbox {rec.sandbox_id} failed: {exc}") from exc
+        if rec.pause_snapshot:
+            await self.catalog.delete(rec.pause_snapshot)
+            rec.pause_snapshot = None
+        rec.end_at = min(rec.end_at, utcnow())
+        await self._enter(rec, S.KILLED)
+        self.logs.forget(rec.sandbox_id)
+        await self.logs.event(rec.sandbox_id, "info", f"sandbox killed: {reason}")
+        self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+
+    async def set_timeout(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
+        """The sandbox now expires ``timeout_seconds`` from now (shorter or longer)."""
+        async with self._operate(sandbox_id, "set_timeout") as rec:
+            rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
+            await self.store.save(rec)
+            return rec
+
+    async def refresh(self, sandbox_id: str, duration_seconds: int) -> SandboxRecord:
+        """Keep alive for at least ``duration_seconds`` more (never shortens)."""
+        async with self._operate(sandbox_id, "refresh") as rec:
+            rec.end_at = max(rec.end_at, utcnow() + dt.timedelta(seconds=duration_seconds))
+            await self.store.save(rec)
+            return rec
+
+    async def _reap_forever(self) -> None:
+        last_metrics = 0.0
+        while True:
+            try:
+                await self._reap_expired()
+                if time.monotonic() - last_metrics >= METRICS_INTERVAL_SECONDS:
+                    last_metrics = time.monotonic()
+                    for rec in await self.store.in_states((S.RUNNING,)):
+                        await self._sample(rec)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("timeout reaper iteration failed")  # the next iteration retries
+            await asyncio.sleep(REAPER_INTERVAL_SECONDS)
+
+    async def _reap_expired(self) -> None:
+        ids = await self.store.expired(utcnow())
+        if ids:
+            await asyncio.gather(*(self._expire(i) for i in ids))
+
+    async def _expire(self, sandbox_id: str) -> None:
+        try:
+            async with self._lock(sandbox_id):
+                rec = await self.get(sandbox_id)
+                # Re-check under the lock: a set_timeout may have won the race.
+                if rec.state != S.RUNNING or rec.end_at > utcnow():
+                    return
+                if rec.auto_pause:
+                    await self.logs.event(sandbox_id, "info", "timeout reached: pausing (autoPause)")
+                    await self._pause_locked(rec)
+                else:
+                    await self._destroy(rec, reason="timeout reached")
+        except NotFound:
+            return
+        except AgentenvError as exc:
+            log.error("expiring sandbox %s failed: %s", sandbox_id, exc)
+
+    # -- pause and resume ----------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> None:
+        async with self._operate(sandbox_id, "pause") as rec:
+            await self._pause_locked(rec)
+
+    async def _pause_locked(self, rec: SandboxRecord) -> None:
+        self._detach(rec.sandbox_id)
+        await self._enter(rec, S.PAUSING)
+        try:
+            row = await self._take_snapshot(rec, "pause", stop=True)
+        except Exception as exc:
+            await self._after_failed_snapshot(rec, exc)
+            raise_failure(exc, f"pausing sandbox {rec.sandbox_id}")
+        rec.pause_snapshot = row.snapshot_id
+        await self._enter(rec, S.PAUSED)
+
+    async def resume(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
+        async with self._operate(sandbox_id, "resume") as rec:
+            return await self._resume_locked(rec, timeout_seconds)
+
+    async def connect(self, sandbox_id: str, timeout_seconds: int) -> tuple[SandboxRecord, bool]:
+        """A running sandbox's timeout is only extended; a paused one is resumed. Returns the
+        record and whether it was resumed."""
+        async with self._operate(sandbox_id, "connect") as rec:
+            if rec.state == S.PAUSED:
+                return await self._resume_locked(rec, timeout_seconds), True
+            rec.end_at = max(rec.end_at, utcnow() + dt.timedelta(seconds=timeout_seconds))
+            await self.store.save(rec)
+            return rec, False
+
+    async def _resume_locked(self, rec: SandboxRecord, timeout_seconds: int) -> SandboxRecord:
+        row = await self.catalog.get(rec.pause_snapshot or "")
+        if row is None:
+            raise Gone(f"the pause snapshot of sandbox {rec.sandbox_id} is missing")
+        await self._enter(rec, S.RESUMING)
+        started = time.monotonic()
+        try:
+            await self._restore_in_place(rec, row)
+        except Exception as exc:
+            await self._destroy(rec, reason=f"resume failed: {exc}")
+            raise_failure(exc, f"resuming sandbox {rec.sandbox_id}")
+        rec.pause_snapshot = None
+        rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
+        await self._enter(rec, S.RUNNING)
+        self._attach(rec)
+        await self.catalog.delete(row.snapshot_id)
+        await self.logs.event(rec.sandbox_id, "info", "sandbox resumed", duration_ms=str(elapsed_ms(started)))
+        self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+        return rec
+
+    async def _restore_in_place(self, rec: SandboxRecord, row: SnapshotRow) -> None:
+        """Bring ``rec`` back from ``row`` with its own id, address and network (resume, a fork's
+        parent, recovery's revive)."""
+        rec.instance = await self._runtime(rec).restore(
+            self._spec(rec, self._image_of(rec, row)), await self.catalog.ref(row)
+        )
+        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+
+    def _image_of(self, rec: SandboxRecord, row: SnapshotRow) -> TemplateImage:
+        """The template ``rec`` stands on: the built template, else as the snapshot recorded it
+        (sandboxes made from a user snapshot carry the snapshot's id as their template)."""
+        try:
+            return templates.load(rec.template_id, self.settings).image
+        except templates.TemplateNotFound:
+            return SnapshotMeta.of(row).image(rec.template_id)
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    async def _take_snapshot(
+        self, rec: SandboxRecord, kind: SnapshotKind, *, stop: bool, name: str | None = None
+    ) -> SnapshotRow:
+        """Snapshot ``rec`` (caller holds its lock), commit it and add its row."""
+        assert rec.instance is not None
+        started = time.monotonic()
+        ref = await self.catalog.write(self._runtime(rec), rec.instance, stop=stop)
+        meta = SnapshotMeta(
+            template_rootfs=rec.instance.state.get("template_rootfs"), cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, envs=rec.envs, metadata=rec.metadata,
+            envd_access_token=rec.envd_access_token, duration_ms=elapsed_ms(started),
+        )
+        row = SnapshotRow(
+            snapshot_id=ref.snapshot_id, kind=kind, source_sandbox_id=rec.sandbox_id, runtime=rec.runtime,
+            template_id=rec.template_id, created_at=utcnow(), name=name, info=meta.info(),
+        )
+        await self.catalog.add(row)
+        await self.logs.event(rec.sandbox_id, "info", f"{kind} snapshot {ref.snapshot_id} taken",
+                              duration_ms=str(meta.duration_ms))
+        return row
+
+    async def _after_failed_snapshot(self, rec: SandboxRecord, exc: BaseException) -> None:
+        """Back to running if the sandbox survived, else destroy it (never leak it)."""
+        log.warning("snapshot of %s failed: %s", rec.sandbox_id, exc)
+        if await self._is_alive(rec):
+            await self._enter(rec, S.RUNNING)
+            self._attach(rec)
+            return
+        await self._destroy(rec, reason=f"snapshot failed and the sandbox did not survive: {exc}")
+
+    async def create_snapshot(self, sandbox_id: str, name: str | None) -> SnapshotRow:
+        async with self._operate(sandbox_id, "snapshot") as rec:
+            self._detach(sandbox_id)
+            try:
+                row = await self._take_snapshot(rec, "snapshot", stop=False, name=name)
+            except Exception as exc:
+                await self._after_failed_snapshot(rec, exc)
+                raise_failure(exc, f"snapshot of sandbox {sandbox_id}")
+            self._attach(rec)
+            return row
+
+    async def list_snapshots(self, source: str | None = None, name: str | None = None) -> list[SnapshotRow]:
+        rows = await self.catalog.rows("snapshot", source=source)
+        if name:
+            key = name.split("/")[-1].split(":")[0]
+            rows = [r for r in rows if key in (r.name, r.snapshot_id)]
+        return rows
+
+    async def delete_snapshot(self, name_or_id: str) -> None:
+        row = await self.catalog.find_user_snapshot(name_or_id)
+        if row is None:
+            raise NotFound(f"template '{name_or_id}' not found")
+        await self.catalog.delete(row.snapshot_id)
+        await self.catalog.collect_garbage(self.runtimes)
+
+    # -- fork ----------------------------------------------------------------------------------
+
+    async def fork(self, sandbox_id: str, count: int, timeout_seconds: int) -> list[ForkOutcome]:
+        """``count`` independent children with the parent's memory, processes and disk.
+
+        The parent is checkpointed and stopped once; then it is restored in place *alongside*
+        its children (it is one more restore of the same image). Each child's timeout starts
+        when the call returns, not when it was restored: a caller must be able to use it."""
+        if not 1 <= count <= MAX_FORK_COUNT:
+            raise Invalid(f"count must be between 1 and {MAX_FORK_COUNT}")
+        async with self._operate(sandbox_id, "fork") as rec:
+            self._detach(sandbox_id)
+            try:
+                row = await self._take_snapshot(rec, "fork", stop=True)
+            except Exception as exc:
+                await self._after_failed_snapshot(rec, exc)
+                raise_failure(exc, f"fork of sandbox {sandbox_id}")
+            gate = asyncio.Semaphore(FORK_PARALLELISM)
+            children = [asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds))
+                        for _ in range(count)]
+            await asyncio.shield(self._revive_parent(rec, row))
+        try:
+            outcomes = await asyncio.shield(asyncio.gather(*children))
+        finally:
+            # Children stand on the snapshot's disk layers (they hold them) and the runtime has
+            # read the memory image: the snapshot itself is not needed any more.
+            await self.catalog.delete(row.snapshot_id)
+            await self.catalog.collect_garbage(self.runtimes)
+        return [await self._restart_timeout(o, timeout_seconds) for o in outcomes]
+
+    async def _revive_parent(self, rec: SandboxRecord, row: SnapshotRow) -> None:
+        """A parent that cannot come back is destroyed; its children live on."""
+        try:
+            await self._restore_in_place(rec, row)
+        except Exception as exc:
+            await self._destroy(rec, reason=f"restoring the parent after its fork failed: {exc}")
+            return
+        await self.store.save(rec)
+        self._attach(rec)
+
+    async def _fork_child(
+        self, row: SnapshotRow, parent: SandboxRecord, gate: asyncio.Semaphore, timeout_seconds: int
+    ) -> ForkOutcome:
+        """A fork child is made like its parent: same metadata, network and traffic policy."""
+        req = CreateRequest(
+            template_id=row.snapshot_id, timeout_seconds=timeout_seconds, metadata=dict(parent.metadata),
+            envs={}, secure=parent.envd_access_token is not None,
+            allow_internet_access=parent.allow_internet_access,
+            allow_public_traffic=parent.traffic_access_token is None, network=dict(parent.network or {}),
+        )
+        async with gate:
+            try:
+                return ForkOutcome(await self._restore_new(row, req, origin="fork"), None)
+            except AgentenvError as exc:
+                return ForkOutcome(None, exc)
+
+    async def _restart_timeout(self, outcome: ForkOutcome, timeout_seconds: int) -> ForkOutcome:
+        if outcome.record is None:
+            return outcome
+        try:
+            return dataclasses.replace(outcome, record=await self.set_timeout(outcome.record.sandbox_id,
+                                                                              timeout_seconds))
+        except (NotFound, Conflict):  # killed or paused by someone else meanwhile: theirs to say
+            return outcome
+
+
+def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
+    """The composition root: the lifecycle owner and its collaborators for one node."""
+    runtimes = RuntimeSet(settings, runtime)
+    store = SandboxStore(settings.db_path)
+    catalog = SnapshotCatalog(settings.data_dir)
+    background = Background()
+    return Orchestrator(
+        settings,
+        runtimes=runtimes,
+        store=store,
+        catalog=catalog,
+        template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background),
+        background=background,
+        envd=EnvdClient(),
+        logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
+    )

@@ -1,0 +1,158 @@
+"""Templates are snapshots: the booted state of a template, and the warm pool restored from it.
+
+The first create of a template boots it (the lifecycle owner does) while this collaborator boots
+one more sandbox of it in the background and snapshots it with envd answering; later creates
+restore that snapshot, or claim a sandbox the warm pool restored from it ahead of demand. A
+template snapshot is valid for one runtime, one template build and one envd bundle (its key).
+
+The sandboxes booted here to be snapshotted, and the pooled ones, have no registry row: a
+crashed server's start-up clean-up (``Runtime.cleanup_orphans``) removes them like any leak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from agentenv.config import Settings
+from agentenv.orchestrator import templates
+from agentenv.orchestrator.background import Background
+from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from agentenv.orchestrator.ids import new_sandbox_id
+from agentenv.orchestrator.pool import WarmPool
+from agentenv.orchestrator.runtimes import RuntimeSet
+from agentenv.orchestrator.timing import elapsed_ms, utcnow
+from agentenv.runtime.base import Runtime
+from agentenv.storage.envd_bundle import bundle_hash
+from agentenv.storage.snapshots import SnapshotRow
+from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TemplateSnapshot:
+    key: str
+    row: SnapshotRow
+    image: TemplateImage
+    runtime: Runtime
+
+
+class TemplateSnapshots:
+    def __init__(
+        self, settings: Settings, catalog: SnapshotCatalog, runtimes: RuntimeSet, background: Background
+    ) -> None:
+        self._settings = settings
+        self._catalog = catalog
+        self._runtimes = runtimes
+        self._background = background
+        self._known: dict[str, TemplateSnapshot] = {}
+        self._building: set[str] = set()
+        self._envd_hash: str | None = None
+        self.pool = WarmPool(
+            min(settings.warm_pool_low, settings.warm_pool_high), settings.warm_pool_high,
+            self._make_pooled, self._kill_pooled,
+        )
+
+    def key(self, info: templates.TemplateInfo, runtime: Runtime) -> str:
+        """What a template snapshot is valid for: the runtime, the template build and envd."""
+        if self._envd_hash is None:
+            self._envd_hash = bundle_hash()
+        return f"{runtime.name}:{info.image.template_id}:{info.build_id}:{self._envd_hash}"
+
+    async def lookup(self, info: templates.TemplateInfo, runtime: Runtime) -> TemplateSnapshot | None:
+        """The template's snapshot, or None (boot instead) while it has none; making one then
+        starts in the background. None too when template snapshots are turned off."""
+        if not self._settings.template_snapshots:
+            return None
+        key = self.key(info, runtime)
+        rows = await self._catalog.rows("template")
+        row = next((r for r in rows if r.name == key), None)
+        if row is None:
+            self._ensure(key, info, runtime)
+            return None
+        snap = TemplateSnapshot(key, row, info.image, runtime)
+        self._known[key] = snap
+        return snap
+
+    def claim(self, snap: TemplateSnapshot) -> SandboxInstance | None:
+        """A pooled sandbox restored from ``snap``, or None (restore one instead)."""
+        return self.pool.take(snap.key)
+
+    async def drop(self, snap: TemplateSnapshot) -> None:
+        """Forget a template snapshot that would not restore (its pool too): the next create boots."""
+        self._known.pop(snap.key, None)
+        await self.pool.drop(snap.key)
+        await self._catalog.delete(snap.row.snapshot_id)
+
+    # -- making them -------------------------------------------------------------------------
+
+    def _ensure(self, key: str, info: templates.TemplateInfo, runtime: Runtime) -> None:
+        if key not in self._building:
+            self._building.add(key)
+            self._background.spawn(self._build(key, info, runtime), name=f"template-snapshot-{key}")
+
+    async def _build(self, key: str, info: templates.TemplateInfo, runtime: Runtime) -> None:
+        try:
+            row = await self._take(key, info.image, runtime)
+        finally:
+            self._building.discard(key)
+        self._known[key] = TemplateSnapshot(key, row, info.image, runtime)
+        for old in await self._catalog.rows("template"):
+            if old.template_id == row.template_id and old.runtime == row.runtime and old.name != key:
+                await self.drop(TemplateSnapshot(old.name or "", old, info.image, runtime))
+        if info.image.template_id in self._settings.warm_pool_templates:
+            self.pool.fill(key)
+
+    async def _take(self, key: str, image: TemplateImage, runtime: Runtime) -> SnapshotRow:
+        """Boot a sandbox of the template, snapshot it with envd answering, remove it."""
+        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
+        started = time.monotonic()
+        instance = await runtime.create(spec)
+        try:
+            ref = await self._catalog.write(runtime, instance, stop=True)
+            meta = SnapshotMeta(template_rootfs=str(image.rootfs), cpu_count=image.vcpus,
+                                memory_mb=image.memory_mb, disk_mb=image.disk_mb,
+                                duration_ms=elapsed_ms(started))
+            row = SnapshotRow(
+                snapshot_id=ref.snapshot_id, kind="template", source_sandbox_id=spec.sandbox_id,
+                runtime=runtime.name, template_id=image.template_id, created_at=utcnow(), name=key,
+                info=meta.info(),
+            )
+            await self._catalog.add(row)
+        finally:
+            await runtime.kill(instance)
+        log.info("template snapshot %s of %s made in %s ms", row.snapshot_id, key, elapsed_ms(started))
+        return row
+
+    # -- the warm pool -----------------------------------------------------------------------
+
+    async def _make_pooled(self, key: str) -> SandboxInstance:
+        """One warm-pool sandbox: a restore of the template's snapshot, with no env vars or token
+        (a claim's ``/init`` sets them)."""
+        snap = self._known[key]
+        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image)
+        return await snap.runtime.restore(spec, await self._catalog.ref(snap.row))
+
+    async def _kill_pooled(self, instance: SandboxInstance) -> None:
+        await self._runtimes.named(instance.runtime).kill(instance)
+
+    async def warm_up(self) -> None:
+        """At start-up: snapshot and pool the templates named in ``warm_pool_templates``. With
+        pooling off, template snapshots are made on first use instead."""
+        if not self._settings.template_snapshots or not self.pool.enabled:
+            return
+        for template_id in self._settings.warm_pool_templates:
+            try:
+                info = templates.load(template_id, self._settings)
+            except templates.TemplateNotFound:
+                log.info("warm pool: template %s is not built; nothing to pool", template_id)
+                continue
+            runtime = self._runtimes.for_template(info.image)
+            snap = await self.lookup(info, runtime)
+            if snap is not None:
+                self.pool.fill(snap.key)
+
+    async def close(self) -> None:
+        await self.pool.close()

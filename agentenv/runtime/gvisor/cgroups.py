@@ -1,0 +1,55 @@
+"""The cgroups runsc puts a sandbox in (``agentenv/<sandbox_id>`` in every v1 hierarchy): where its
+limits are set, its usage is read, and what a kill removes (runsc leaves them behind)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+CGROUP_PARENT = "agentenv"
+CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroups_path(sandbox_id: str) -> str:
+    """The OCI ``linux.cgroupsPath`` of the sandbox."""
+    return f"/{CGROUP_PARENT}/{sandbox_id}"
+
+
+def memory_used(sandbox_id: str) -> int:
+    """Bytes of memory the sandbox uses (0 when its cgroup is gone)."""
+    return _read_int(_group("memory", sandbox_id) / "memory.usage_in_bytes")
+
+
+def cpu_seconds(sandbox_id: str) -> float:
+    """CPU time the sandbox has used since it started."""
+    return _read_int(_group("cpuacct", sandbox_id) / "cpuacct.usage") / 1e9
+
+
+def existing(sandbox_id: str) -> list[Path]:
+    """The sandbox's cgroup directories that still exist."""
+    if not CGROUP_V1_ROOT.is_dir():
+        return []
+    return [group for h in CGROUP_V1_ROOT.iterdir() if (group := _group(h.name, sandbox_id)).is_dir()]
+
+
+def remove(sandbox_id: str) -> None:
+    """rmdir the sandbox's cgroup in every hierarchy, deepest first; what cannot go (still in
+    use) stays for the next kill or orphan clean-up."""
+    for group in existing(sandbox_id):
+        for sub in sorted(group.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir():
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def _group(hierarchy: str, sandbox_id: str) -> Path:
+    return CGROUP_V1_ROOT / hierarchy / CGROUP_PARENT / sandbox_id
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

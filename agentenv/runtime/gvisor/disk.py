@@ -1,0 +1,99 @@
+"""The root file systems of gVisor sandboxes: a host overlayfs per sandbox of its private upper
+over a chain of shared, read-only snapshot layers (:mod:`agentenv.storage.layers`) over the
+template rootfs.
+
+A sandbox's chain is written to its ``layers.json`` before the mount, so that layer garbage
+collection sees every layer a sandbox stands on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+from agentenv.errors import Failed, Gone
+from agentenv.runtime.gvisor.paths import SandboxPaths, write_json
+from agentenv.storage.envd_bundle import MOUNT_POINT
+from agentenv.storage.layers import LayerError, LayerStore, tree_bytes, overlay_mount, overlay_unmount
+
+#: Where the envd bundle is mounted, relative to the root.
+MOUNT_POINT_DIR = MOUNT_POINT.lstrip("/")
+
+
+class RootDisks:
+    """The layer store of one data directory and the root mounts of its sandboxes."""
+
+    def __init__(self, data_dir: Path) -> None:
+        #: Snapshot disk layers, shared read-only by snapshots and the sandboxes made from them.
+        self.layers = LayerStore(data_dir / "disk-layers")
+        #: Held while a chain is mounted, sealed or collected, so that a collection never frees a
+        #: layer a restore is about to stand on.
+        self.lock = asyncio.Lock()
+        #: Bytes of each sealed layer, measured once (a layer never changes).
+        self._layer_bytes: dict[str, int] = {}
+
+    def mount(self, paths: SandboxPaths, template_rootfs: Path, chain: list[str]) -> Path:
+        """Mount the sandbox's root: its private upper over ``chain`` (layer ids, newest first)
+        over the template rootfs. Returns the mount point; a no-op when it is mounted already."""
+        missing = [lid for lid in chain if not self.layers.exists(lid)]
+        if missing:
+            raise Gone(f"disk layers {', '.join(missing)} of sandbox {paths.sandbox_id} are gone")
+        paths.root.mkdir(parents=True, exist_ok=True)
+        write_json(paths.layers_file, chain)
+        for d in (paths.upper, paths.work, paths.rootfs):
+            d.mkdir(exist_ok=True)
+        if not (template_rootfs / MOUNT_POINT_DIR).is_dir():  # the envd bundle's mount point
+            (paths.upper / MOUNT_POINT_DIR).mkdir(exist_ok=True)
+        if not os.path.ismount(paths.rootfs):
+            lowers = [self.layers.path(lid) for lid in chain] + [template_rootfs]
+            try:
+                overlay_mount(paths.rootfs, lowers, paths.upper, paths.work)
+            except LayerError as exc:
+                raise Failed(
+                    f"mounting the root file system of sandbox {paths.sandbox_id} failed: {exc.message}"
+                ) from exc
+        return paths.rootfs
+
+    @staticmethod
+    def unmount(paths: SandboxPaths) -> None:
+        overlay_unmount(paths.rootfs)
+
+    @staticmethod
+    def chain(paths: SandboxPaths) -> list[str]:
+        """The snapshot layers the sandbox's root stands on (newest first)."""
+        try:
+            chain = json.loads(paths.layers_file.read_text())
+        except (OSError, ValueError):
+            return []
+        return [str(lid) for lid in chain]
+
+    @staticmethod
+    def set_chain(paths: SandboxPaths, chain: list[str]) -> None:
+        write_json(paths.layers_file, chain)
+
+    @staticmethod
+    def fresh_upper(paths: SandboxPaths) -> None:
+        """Empty the sandbox's (unmounted) upper and work directories."""
+        for d in (paths.upper, paths.work):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+
+    def used_bytes(self, paths: SandboxPaths) -> int:
+        """What the sandbox wrote: its upper plus the snapshot layers under it."""
+        used = tree_bytes(paths.upper)
+        for layer_id in self.chain(paths):
+            if layer_id not in self._layer_bytes and self.layers.exists(layer_id):
+                self._layer_bytes[layer_id] = self.layers.disk_usage(layer_id)
+            used += self._layer_bytes.get(layer_id, 0)
+        return used
+
+    def collect(self, in_use: set[str]) -> list[str]:
+        """Delete the layers not in ``in_use`` (call under :attr:`lock`); return their ids."""
+        removed = self.layers.gc(in_use)
+        for layer_id in removed:
+            self._layer_bytes.pop(layer_id, None)
+        return removed
+

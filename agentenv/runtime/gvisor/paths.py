@@ -1,0 +1,87 @@
+"""Where the files of one gVisor sandbox live, and the name runsc knows it by.
+
+Per sandbox, under ``{data_dir}/sandboxes/<sandbox_id>/``::
+
+    upper/  work/   private writable layer of the host overlayfs (kept on disk: snapshots seal it)
+    rootfs/         overlay mount: upper over the snapshot layers over the template rootfs
+    layers.json     the snapshot layers (newest first) the root stands on
+    bundle/         OCI bundle (config.json) handed to runsc
+    envd.log        envd's stdout/stderr;  runsc.log: runsc's own log
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Prefix of the runsc container id of every sandbox (crash recovery finds leaks by it).
+CONTAINER_PREFIX = "ae-"
+
+
+def container_id(sandbox_id: str) -> str:
+    return CONTAINER_PREFIX + sandbox_id
+
+
+def sandboxes_dir(data_dir: Path) -> Path:
+    """The directory holding one scratch directory per sandbox."""
+    return data_dir / "sandboxes"
+
+
+@dataclass(frozen=True)
+class SandboxPaths:
+    sandbox_id: str
+    root: Path
+
+    @classmethod
+    def of(cls, data_dir: Path, sandbox_id: str) -> SandboxPaths:
+        return cls(sandbox_id, sandboxes_dir(data_dir) / sandbox_id)
+
+    @property
+    def container_id(self) -> str:
+        return container_id(self.sandbox_id)
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.root / "rootfs"
+
+    @property
+    def bundle(self) -> Path:
+        return self.root / "bundle"
+
+    @property
+    def layers_file(self) -> Path:
+        return self.root / "layers.json"
+
+    @property
+    def envd_log(self) -> Path:
+        return self.root / "envd.log"
+
+    @property
+    def runsc_log(self) -> Path:
+        return self.root / "runsc.log"
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Replace ``path`` atomically with ``value`` as JSON."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
+
+
+def tail(path: Path, size: int = 1500) -> str:
+    """The end of a log file, for error messages."""
+    try:
+        return path.read_bytes()[-size:].decode(errors="replace").strip() or "(empty)"
+    except OSError:
+        return "(none)"

@@ -1,0 +1,206 @@
+"""Driving one runsc binary: its command lines, detached starts, container state, the platform it
+runs sandboxes on, and the host processes that serve a container.
+
+agentenv stops containers itself (SIGKILL of the sandbox and gofer processes, then removal of
+runsc's two state files): ``runsc delete --force`` does the same but costs 1.3-1.6 s on this runsc,
+most of it polling processes that are already gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from agentenv.config import GvisorSettings
+from agentenv.errors import Failed
+from agentenv.runtime.gvisor.paths import SandboxPaths, tail
+from agentenv.runtime.registry import kvm_unusable_reason
+
+log = logging.getLogger(__name__)
+
+#: Seconds a ``runsc run`` or ``runsc restore`` may take to report the container started.
+START_TIMEOUT = 120.0
+#: Seconds the sandbox and gofer processes of a killed container get to exit.
+REAP_TIMEOUT = 10.0
+
+#: Platform chosen by ``auto``, per runsc binary (probing costs a sandbox start).
+_auto_platforms: dict[str, str] = {}
+
+
+class Runsc:
+    """One runsc binary with one state directory (``--root``)."""
+
+    def __init__(self, settings: GvisorSettings, root: Path, probe_dir: Path) -> None:
+        self.binary = settings.runsc_path
+        self.root = root
+        self._platform = settings.platform
+        #: Scratch state directory of the ``auto`` platform probe.
+        self._probe_dir = probe_dir
+
+    # -- platform ------------------------------------------------------------------------------
+
+    def platform(self) -> str:
+        """The configured platform, or for ``auto`` kvm when it can run hardware-virtualised
+        guests here, else ptrace. gVisor's KVM platform needs VT-x/AMD-V: on a /dev/kvm without
+        them (PVM-only hosts) runsc starts but hangs forever."""
+        if self._platform != "auto":
+            return self._platform
+        chosen = _auto_platforms.get(self.binary)
+        if chosen is None:
+            chosen = _auto_platforms[self.binary] = self._choose_platform()
+        return chosen
+
+    def _choose_platform(self) -> str:
+        reason = kvm_unusable_reason()
+        if reason is not None:
+            log.info("runsc platform auto: not kvm (%s), using ptrace", reason)
+            return "ptrace"
+        return "kvm" if self._platform_works("kvm") else "ptrace"
+
+    def _platform_works(self, platform: str) -> bool:
+        self._probe_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [self.binary, "--root", str(self._probe_dir), "--platform", platform,
+               "--network", "none", "do", "/bin/true"]
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=15).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            shutil.rmtree(self._probe_dir, ignore_errors=True)
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def command(self, *args: str, log_file: Path | None = None) -> list[str]:
+        cmd = [self.binary, "--root", str(self.root)]
+        if log_file is not None:
+            cmd += ["--log", str(log_file)]
+        return [*cmd, *args]
+
+    async def run(self, *args: str, check: bool = True, limit: float = 60.0) -> tuple[int, str]:
+        """Run ``runsc <args>``: (exit code, stdout+stderr); a failure raises unless not ``check``."""
+        proc = await asyncio.create_subprocess_exec(
+            *self.command(*args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), limit)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise Failed(f"runsc {' '.join(args[:2])} timed out after {limit:.0f}s") from None
+        text = out.decode(errors="replace").strip()
+        if check and proc.returncode != 0:
+            raise Failed(f"runsc {' '.join(args[:2])} failed: {text[-2000:]}")
+        return proc.returncode or 0, text
+
+    async def start(self, paths: SandboxPaths, *, image: Path | None = None) -> None:
+        """Start the container of ``paths``' OCI bundle detached (``runsc run``, or with ``image``
+        ``runsc restore`` of that checkpoint); its output goes to envd.log."""
+        verb = ["run"] if image is None else ["restore", "--image-path", str(image)]
+        cmd = self.command(
+            "--platform", self.platform(), "--network", "sandbox",
+            *verb, "--detach", "--bundle", str(paths.bundle), paths.container_id,
+            log_file=paths.runsc_log,
+        )
+        with paths.envd_log.open("ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *hide_proc_sys_net(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+            )
+            try:
+                code = await asyncio.wait_for(proc.wait(), START_TIMEOUT)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise Failed(
+                    f"runsc {verb[0]} of sandbox {paths.sandbox_id} did not finish within {START_TIMEOUT:.0f}s"
+                ) from None
+        if code != 0:
+            raise Failed(
+                f"runsc {verb[0]} of sandbox {paths.sandbox_id} failed (exit {code}): {tail(paths.runsc_log)}"
+            )
+
+    async def status(self, cid: str) -> str:
+        """runsc's status of container ``cid`` (``running``, ``stopped``, ...), ``absent`` if none."""
+        code, out = await self.run("state", cid, check=False)
+        if code != 0:
+            return "absent"
+        try:
+            return str(json.loads(out).get("status", "unknown"))
+        except json.JSONDecodeError:
+            return "unknown"
+
+    async def containers(self) -> list[str]:
+        """Ids of the containers runsc knows under this root."""
+        code, out = await self.run("list", "-quiet", check=False)
+        return out.split() if code == 0 else []
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    async def stop(self, paths: SandboxPaths) -> None:
+        """SIGKILL the container's processes, wait until they are gone, and drop runsc's record of
+        it. The cgroups stay (a restore reuses them, a kill removes them)."""
+        await self._reap(paths)
+        self._forget(paths.container_id)
+
+    def processes(self, paths: SandboxPaths) -> list[int]:
+        """PIDs of the runsc processes (sandbox, gofer, ...) serving the container of ``paths``:
+        the sandbox process names the container id, the gofer only its bundle (inside
+        ``paths.root``). The gofer must be gone too before the sandbox's root overlay can be
+        unmounted and its upper sealed."""
+        markers = [paths.container_id, f"{paths.root}/"]
+        pids = []
+        for pid, argv in _runsc_command_lines():
+            in_root = f"--root={self.root}" in argv or str(self.root) in argv
+            if in_root and any(m in arg for arg in argv for m in markers):
+                pids.append(pid)
+        return pids
+
+    async def _reap(self, paths: SandboxPaths) -> None:
+        deadline = time.monotonic() + REAP_TIMEOUT
+        while pids := self.processes(paths):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+            if time.monotonic() > deadline:
+                raise Failed(f"runsc processes {pids} of sandbox {paths.sandbox_id} do not exit")
+            await asyncio.sleep(0.05)
+
+    def _forget(self, cid: str) -> None:
+        for suffix in (".state", ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / f"{cid}_sandbox:{cid}{suffix}")
+
+
+def hide_proc_sys_net(cmd: list[str]) -> list[str]:
+    """Wrap a runsc command that starts a sandbox (run, create, restore) for this runsc.
+
+    runsc 2022-12 decides it was handed the root network namespace when
+    ``/proc/sys/net/core/rmem_default`` exists, which on kernels >= 5.x it does in every
+    namespace, so ``--network sandbox`` refuses all of them. In a private mount namespace
+    with an empty, read-only /proc/sys/net the check sees no file; runsc reads nothing else
+    there (gVisor's netstack has its own sysctls)."""
+    script = 'mount -t tmpfs -o ro,size=4k agentenv-hide /proc/sys/net && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
+
+
+def _runsc_command_lines() -> list[tuple[int, list[str]]]:
+    """(pid, argv) of every runsc process on the host."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        argv = [arg.decode(errors="replace") for arg in raw]
+        if argv[0].startswith("runsc"):
+            found.append((int(entry.name), argv))
+    return found

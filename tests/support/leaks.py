@@ -1,0 +1,178 @@
+"""What a sandbox (or a whole test session) leaves on the host.
+
+Every probe returns what it found, so an assertion prints the leak itself::
+
+    assert leaks.host_resources(sandbox_id) == []
+    assert leaks.wait_no_host_resources(sandbox_id) == []   # after an asynchronous kill
+
+Runtime-specific leftovers (runsc state, cgroups, a VM's directory) stay in the runtime's tests,
+built on these probes. :func:`host_state` / :meth:`HostState.new_since` compare the whole host
+before and after (the session check of :mod:`tests.support.fixtures`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Kept equal to agentenv.runtime.network (NETNS_DIR, NETNS_PREFIX, HOST_IF_PREFIX); read from
+#: there when it imports, so a rename in the product does not blind the probes.
+NETNS_DIR = Path("/var/run/netns")
+NETNS_PREFIX = "ae-"
+HOST_IF_PREFIX = "aeh"
+#: Programs that run a sandbox (the uffd page server runs as agentenv.runtime.firecracker.uffd).
+SANDBOX_PROGRAMS = ("runsc", "qemu-system", "firecracker")
+
+
+def _network_names() -> tuple[Path, str, str]:
+    try:
+        from agentenv.runtime import network
+    except ImportError:
+        return NETNS_DIR, NETNS_PREFIX, HOST_IF_PREFIX
+    return (
+        getattr(network, "NETNS_DIR", NETNS_DIR),
+        getattr(network, "NETNS_PREFIX", NETNS_PREFIX),
+        getattr(network, "HOST_IF_PREFIX", HOST_IF_PREFIX),
+    )
+
+
+# -- mounts ------------------------------------------------------------------------------------
+
+
+def _mount_lines() -> list[str]:
+    return Path("/proc/mounts").read_text().splitlines()
+
+
+def _unescape(field: str) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as octal.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def mounts_under(path: Path | str) -> list[str]:
+    """Mount points at or below ``path`` (never ``rm -rf`` a directory while this is not empty)."""
+    root = os.path.abspath(path)
+    found = []
+    for line in _mount_lines():
+        point = _unescape(line.split()[1])
+        if point == root or point.startswith(root + "/"):
+            found.append(point)
+    return found
+
+
+def mounts_naming(text: str) -> list[str]:
+    """Lines of /proc/mounts that mention ``text`` anywhere (mount point, source or options)."""
+    return [line for line in _mount_lines() if text in line]
+
+
+# -- network -----------------------------------------------------------------------------------
+
+
+def netns_exists(sandbox_id: str) -> bool:
+    """The sandbox's own network namespace (``ae-<id>``) is still there."""
+    netns_dir, prefix, _ = _network_names()
+    return (netns_dir / f"{prefix}{sandbox_id}").exists()
+
+
+def agentenv_netns() -> set[str]:
+    """Every agentenv network namespace on the host (``ae-*``)."""
+    netns_dir, prefix, _ = _network_names()
+    try:
+        return {p.name for p in netns_dir.iterdir() if p.name.startswith(prefix)}
+    except FileNotFoundError:
+        return set()
+
+
+def host_links(prefix: str | None = None) -> set[str]:
+    """Host network interfaces named ``prefix*`` (default: agentenv's host-side veths, ``aeh*``)."""
+    prefix = prefix if prefix is not None else _network_names()[2]
+    return {p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(prefix)}
+
+
+def link_exists(name: str) -> bool:
+    return Path(f"/sys/class/net/{name}").exists()
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def processes(*needles: str) -> list[str]:
+    """``"<pid> <command line>"`` of every process whose command line contains all ``needles``
+    (not this process)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # exited meanwhile
+            continue
+        if args and all(needle in args for needle in needles):
+            found.append(f"{entry.name} {args[:200]}")
+    return found
+
+
+def sandbox_processes(text: str = "") -> list[str]:
+    """runsc, QEMU and Firecracker processes whose command line contains ``text`` (all of them
+    when empty)."""
+    return [line for program in SANDBOX_PROGRAMS for line in processes(program, text)]
+
+
+# -- one sandbox -------------------------------------------------------------------------------
+
+
+def host_resources(sandbox_id: str) -> list[str]:
+    """Host resources still named after ``sandbox_id``: its network namespace, sandbox processes
+    naming it, mounts naming it. Empty once the sandbox is fully gone."""
+    netns_dir, _, _ = _network_names()
+    found: list[str] = []
+    if netns_dir.is_dir():
+        found += [f"netns {p.name}" for p in netns_dir.iterdir() if sandbox_id in p.name]
+    found += [f"process {line}" for line in sandbox_processes(sandbox_id)]
+    found += [f"mount {line}" for line in mounts_naming(sandbox_id)]
+    return found
+
+
+def wait_no_host_resources(sandbox_id: str, timeout: float = 15) -> list[str]:
+    """:func:`host_resources`, polled until empty or ``timeout`` (a kill may finish asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = host_resources(sandbox_id)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
+
+
+# -- the whole host ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostState:
+    netns: frozenset[str]
+    links: frozenset[str]
+    processes: frozenset[str]  # "<pid> <command line>" of sandbox programs
+
+    def new_since(self, before: HostState) -> list[str]:
+        """What exists now and did not exist in ``before``."""
+        return (
+            [f"netns {n}" for n in sorted(self.netns - before.netns)]
+            + [f"veth {n}" for n in sorted(self.links - before.links)]
+            + [f"process {p}" for p in sorted(self.processes - before.processes)]
+        )
+
+
+def host_state() -> HostState:
+    return HostState(frozenset(agentenv_netns()), frozenset(host_links()), frozenset(sandbox_processes()))
+
+
+def wait_host_clean(before: HostState, timeout: float = 10) -> list[str]:
+    """What appeared on the host since ``before``, polled until nothing or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = host_state().new_since(before)
+        if not new or time.monotonic() > deadline:
+            return new
+        time.sleep(0.25)
