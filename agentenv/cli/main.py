@@ -1,25 +1,14 @@
-"""The ``agentenv`` command line. Each area registers its own sub-command group."""
+"""The ``agentenv`` command line: ``serve``, and the ``template`` and ``image`` groups."""
 
 from __future__ import annotations
 
-import importlib
-
 import typer
 
-app = typer.Typer(help="agentenv: self-hosted, E2B-compatible sandboxes.", no_args_is_help=True)
+from agentenv.cli import image, template
 
-# Sub-command groups live next to the code they drive; a group whose module is missing
-# (mid-development) must not break the others.
-_GROUPS = {
-    "template": "agentenv.cli.template",  # template build/list (storage)
-    "image": "agentenv.cli.image",  # microVM guest artifacts (runtime/qemu, runtime/firecracker)
-}
-for _name, _module in _GROUPS.items():
-    try:
-        app.add_typer(importlib.import_module(_module).app, name=_name)
-    except ModuleNotFoundError as exc:  # pragma: no cover - only while a group is being written
-        if exc.name != _module:
-            raise
+app = typer.Typer(help="agentenv: self-hosted, E2B-compatible sandboxes.", no_args_is_help=True)
+app.add_typer(template.app, name="template")  # template build/list (storage)
+app.add_typer(image.app, name="image")  # microVM guest artifacts (runtime/qemu, runtime/firecracker)
 
 
 @app.command()
@@ -28,6 +17,7 @@ def serve(
     port: int = typer.Option(None, help="Port to listen on (default 3000)."),
 ) -> None:
     """Serve the E2B-compatible API and the envd proxy."""
+    # Imported here: `agentenv template build` must not pay for the web stack's import.
     from agentenv.api.server import run
 
     run(host=host, port=port)

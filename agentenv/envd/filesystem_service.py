@@ -53,8 +53,13 @@ _KEEPALIVE_EVENT: Oneof[Literal["keepalive"], WatchDirResponse.KeepAlive] = Oneo
 _KEEPALIVE = WatchDirResponse(event=_KEEPALIVE_EVENT)
 #: File systems whose change notifications are unreliable; watching them needs allow_network_mounts.
 _NETWORK_FS_TYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse", "sshfs"})
-#: Polled watchers keep at most this many undelivered events (oldest dropped first).
-_MAX_BUFFERED_EVENTS = 10_000
+#: Events a watcher holds for a client that does not collect them (the kernel's own queue holds
+#: fs.inotify.max_queued_events, 16384 by default); one more and the watcher fails as on a kernel
+#: overflow, rather than envd's memory growing or events being dropped unnoticed.
+_MAX_PENDING_EVENTS = 16_384
+#: What a watcher fails with when events were lost: fsnotify's ErrEventOverflow as E2B's envd
+#: wraps it (a WatchDir stream ends with it, GetWatcherEvents answers it from then on; both INTERNAL).
+OVERFLOW_MESSAGE = "watcher error: fsnotify: queue or buffer overflow"
 
 
 def make_dirs(path: str, user: User) -> None:
@@ -112,16 +117,22 @@ def _fs_type(path: str) -> str:
 
 
 class _Watch:
-    """One inotify watcher feeding either a WatchDir stream or a polled event buffer."""
+    """One inotify watcher feeding either a WatchDir stream (``queue``, ended by None) or a polled
+    event buffer. ``failure`` is set once events were lost; the watcher stops then."""
 
     def __init__(self, root: str, recursive: bool, include_entry: bool) -> None:
         self.queue: asyncio.Queue[FilesystemEvent | None] = asyncio.Queue()
         self.buffer: list[FilesystemEvent] = []
         self.polled = False
+        self.failure: str | None = None
         self._include_entry = include_entry
-        self.watcher = DirectoryWatcher(root, recursive, self._on_event)
+        self.watcher = DirectoryWatcher(root, recursive, self._on_event, self._on_overflow)
 
     def _on_event(self, event: WatchEvent) -> None:
+        pending = len(self.buffer) if self.polled else self.queue.qsize()
+        if pending >= _MAX_PENDING_EVENTS:
+            self._on_overflow()
+            return
         fs_event = FilesystemEvent(name=event.name, type=event.type)
         if self._include_entry:
             try:
@@ -130,9 +141,16 @@ class _Watch:
                 pass  # removed or renamed away: no entry to describe
         if self.polled:
             self.buffer.append(fs_event)
-            del self.buffer[:-_MAX_BUFFERED_EVENTS]
         else:
             self.queue.put_nowait(fs_event)
+
+    def _on_overflow(self) -> None:
+        self.failure = OVERFLOW_MESSAGE
+        self.close()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise ConnectError(Code.INTERNAL, self.failure)
 
     def close(self) -> None:
         self.watcher.close()
@@ -260,6 +278,7 @@ class FilesystemService:
                 else:
                     happened: Oneof[Literal["filesystem"], FilesystemEvent] = Oneof("filesystem", event)
                     yield WatchDirResponse(event=happened)
+            watch.raise_failure()  # after the events from before the loss, as in Go's envd
         finally:
             watch.close()
 
@@ -279,6 +298,7 @@ class FilesystemService:
         ctx: RequestContext[GetWatcherEventsRequest, GetWatcherEventsResponse],
     ) -> GetWatcherEventsResponse:
         watch = self._watcher(request.watcher_id)
+        watch.raise_failure()  # from now until RemoveWatcher, as E2B's envd; its events are lost
         events, watch.buffer = watch.buffer, []
         return GetWatcherEventsResponse(events=events)
 

@@ -1,7 +1,9 @@
 """Directory watching with inotify through ctypes (no extra dependency; gVisor implements inotify).
 
 One inotify instance per watcher. Recursive watchers add a watch for every directory below the
-root, and for directories created (or moved in) later.
+root, and for directories created (or moved in) later. When the kernel's queue overflows
+(``IN_Q_OVERFLOW``: more than ``fs.inotify.max_queued_events`` unread), events were lost: the
+watcher stops and says so, as fsnotify reports ``ErrEventOverflow`` to E2B's envd.
 """
 
 from __future__ import annotations
@@ -84,10 +86,20 @@ class WatchEvent:
 
 
 class DirectoryWatcher:
-    def __init__(self, root: str, recursive: bool, on_event: Callable[[WatchEvent], None]) -> None:
+    """Calls ``on_event`` for each change below ``root``; on a queue overflow it closes itself and
+    calls ``on_overflow`` instead (nothing after a gap is worth reporting as if complete)."""
+
+    def __init__(
+        self,
+        root: str,
+        recursive: bool,
+        on_event: Callable[[WatchEvent], None],
+        on_overflow: Callable[[], None],
+    ) -> None:
         self.root = root
         self._recursive = recursive
         self._on_event = on_event
+        self._on_overflow = on_overflow
         self._fd = _check(_lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         self._dirs: dict[int, str] = {}
         #: rename cookie -> the upload temp file moved away under it (see tempnames)
@@ -127,10 +139,15 @@ class DirectoryWatcher:
                 return
             raise
         offset = 0
-        while offset + _HEADER.size <= len(data):
+        # An event's consumer may close the watcher mid-batch (see filesystem_service._Watch).
+        while offset + _HEADER.size <= len(data) and not self._closed:
             wd, mask, cookie, length = _HEADER.unpack_from(data, offset)
             raw_name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
             offset += _HEADER.size + length
+            if mask & IN_Q_OVERFLOW:
+                self.close()
+                self._on_overflow()
+                return
             self._handle(wd, mask, cookie, os.fsdecode(raw_name))
 
     def _handle(self, wd: int, mask: int, cookie: int, name: str) -> None:

@@ -29,14 +29,15 @@ netns (sandbox address, links up, route) and one ``iptables-restore --noflush`` 
 rules; a teardown is one ``iptables-restore`` (``-D`` lines) and one ``ip -batch``. Rule changes
 of concurrent setups and teardowns in one process share a restore (``_RestoreQueue``).
 
-Snapshot/restore: a checkpointed gVisor netstack keeps the address it was saved with. Two ways
-to live with that were on the table: (a) one fixed address inside every netns, each sandbox
-reached through its own veth and a per-netns NAT, so a restored image fits any slot; (b) keep
-per-slot addresses and re-address the restored netstack. gVisor's netstack owns the sandbox end
+Snapshot/restore: a checkpointed gVisor sandbox was addressed by its slot. Two ways to live with
+that were on the table: (a) one fixed address inside every netns, each sandbox reached through
+its own veth and a per-netns NAT, so a restored image fits any slot; (b) keep per-slot addresses
+and give a restored sandbox the address of its own slot. gVisor's netstack owns the sandbox end
 of the veth (the netns kernel never sees its packets), so (a) would need a second veth pair and
-DNAT inside every netns, one more hop on every envd request. The checkpoint code takes (b): a
-resume keeps its slot, a restore into a new sandbox (fork) gets a new slot and re-addresses the
-netstack with ``runsc exec ip`` (see ``agentenv/runtime/gvisor/checkpoint.py``). QEMU guests
+DNAT inside every netns, one more hop on every envd request. The gVisor runtime takes (b): a
+resume keeps its slot, a restore into a new sandbox (fork child, create from a snapshot) gets a
+new slot, and :func:`readdress` puts that slot's address on the link before ``runsc restore``
+builds the restored netstack from it (see ``agentenv/runtime/gvisor/checkpoint.py``). QEMU guests
 use a fixed guest address behind a tap instead (their own choice, inside the same netns).
 """
 
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agentenv.config import Settings
-from agentenv.runtime.base import RuntimeError_
+from agentenv.errors import Failed, Invalid, Unavailable
 
 NETNS_PREFIX = "ae-"
 HOST_IF_PREFIX = "aeh"
@@ -68,8 +69,8 @@ NETNS_DIR = Path("/var/run/netns")
 GLOBAL_LOCK = Path("/run/agentenv-net.lock")
 
 
-class NetworkError(RuntimeError_):
-    pass
+class NetworkError(Failed):
+    """A network command failed, or the sandbox subnet cannot hold the link asked for."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def _claim_slot(settings: Settings, sandbox_id: str, skip: set[int]) -> int:
         tmp.write_text(str(slot))
         os.replace(tmp, cursor)
         return slot
-    raise NetworkError("no free network slot left in the sandbox subnet", code=503)
+    raise Unavailable("no free network slot left in the sandbox subnet")
 
 
 def _release_slot(settings: Settings, slot: int) -> None:
@@ -175,7 +176,9 @@ def claimed_slots(settings: Settings) -> dict[str, int]:
 # and concurrent commits race: the loser refetches the ruleset and tries again), hence batches.
 
 
-async def _run(*cmd: str, check: bool = True, input: str | None = None) -> tuple[int, str]:
+async def run(*cmd: str, check: bool = True, input: str | None = None) -> tuple[int, str]:
+    """Run ``cmd`` (``input`` on its stdin): (exit code, stdout+stderr). With ``check`` a non-zero
+    exit raises :class:`NetworkError`. Cancelling the caller kills the command first."""
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdin=asyncio.subprocess.PIPE if input is not None else None,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -207,7 +210,7 @@ async def _ip_batch(lines: list[str], *, netns: str | None = None, force: bool =
     """Run ``ip`` commands (one per line, without the leading ``ip``) in one process, inside
     ``netns`` if given; ``force`` goes on past failures."""
     cmd = ["ip", *(["-n", netns] if netns else []), *(["-force"] if force else []), "-batch", "-"]
-    code, out = await _run(*cmd, check=False, input="".join(line + "\n" for line in lines))
+    code, out = await run(*cmd, check=False, input="".join(line + "\n" for line in lines))
     failed = None
     if code != 0:
         found = re.findall(r"^Command failed -:(\d+)$", out, re.M)
@@ -234,7 +237,7 @@ def _restore_input(script: Script) -> str:
 async def _iptables_restore(script: Script, *, check: bool = True) -> tuple[int, str]:
     """Apply ``script`` on top of the current rules: each table commits as a whole or not at all
     (but one table may commit and the next fail)."""
-    return await _run("iptables-restore", "--noflush", "-w", "10", check=check, input=_restore_input(script))
+    return await run("iptables-restore", "--noflush", "-w", "10", check=check, input=_restore_input(script))
 
 
 class _RestoreQueue:
@@ -244,9 +247,8 @@ class _RestoreQueue:
     concurrent teardowns cost one restore instead of 16 (setups, whose requests arrive spread
     out, a few), and the restores no longer race each other (with nf_tables every commit that
     loses the race refetches the ruleset and tries again). A batch fails as a whole (one table may
-    have committed): every request in
-    it is then told it failed and takes its own way back (see ``_add_rules`` and
-    ``_delete_tagged_rules``), all of which cope with half-applied changes.
+    have committed): every request in it is then told it failed and takes its own way back (see
+    ``_add_rules`` and ``_delete_tagged_rules``), all of which cope with half-applied changes.
     """
 
     def __init__(self) -> None:
@@ -412,7 +414,7 @@ async def _delete_tagged_rules(tag: str, net: SandboxNetwork | None = None, subn
     if net is not None and await _restore_queue().apply(_rule_script("-D", net, subnet)):
         return
     for _ in range(3):  # a rule deleted meanwhile (a concurrent teardown) fails the whole commit
-        code, out = await _run("iptables-save", check=False)
+        code, out = await run("iptables-save", check=False)
         if code != 0:
             return
         deletes: Script = {table: [] for table in TABLES}
@@ -447,7 +449,7 @@ async def setup_network(
     Three processes: ``ip -batch`` on the host, ``ip -batch`` in the netns, ``iptables-restore``
     (shared with concurrent setups and teardowns)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,60}", sandbox_id):
-        raise NetworkError(f"invalid sandbox id {sandbox_id!r}", code=400)
+        raise Invalid(f"invalid sandbox id {sandbox_id!r}")
     netns = netns_name(sandbox_id)
     tried: set[int] = set()
     net: SandboxNetwork | None = None
@@ -574,13 +576,6 @@ def _claimed_by(settings: Settings, slot: int) -> str | None:
         if exc.errno == errno.ENOENT:
             return None
         raise
-
-
-def list_netns(prefix: str = NETNS_PREFIX) -> list[str]:
-    """Sandbox ids of every network namespace on the host named ``<prefix><sandbox_id>``."""
-    if not NETNS_DIR.is_dir():
-        return []
-    return sorted(p.name[len(prefix):] for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
 
 
 def list_orphans(settings: Settings, keep: set[str]) -> list[str]:

@@ -2,8 +2,9 @@
 
 A template may have no python, another python, or another libc. So envd does not use anything
 of the sandbox's root file system: the host's interpreter, a pruned standard library, the few
-site-packages envd imports, the ``agentenv.envd`` source and every shared library (plus glibc's
-dynamic loader) are copied into one directory that runtimes mount read-only at ``/.agentenv``::
+site-packages envd imports, the ``agentenv.envd`` source with the project modules it shares with
+the host (:data:`SHARED_MODULES`) and every shared library (plus glibc's dynamic loader) are
+copied into one directory that runtimes mount read-only at ``/.agentenv``::
 
     {data_dir}/envd-runtime/<hash>/
         bin/python3        host interpreter; PT_INTERP and RUNPATH point into /.agentenv/lib
@@ -44,15 +45,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.types import ENVD_PORT
 from agentenv.storage import compat_libs
 from agentenv.storage.compat_libs import build_statx_compat
+from agentenv.types import DEFAULT_PATH, ENVD_PORT
 
 #: Where runtimes mount the bundle inside a sandbox.
 MOUNT_POINT = "/.agentenv"
 LOADER_NAME = "ld-linux-x86-64.so.2"
 #: Bump to force a rebuild when the layout changes in a way the builder source hash misses.
 BUNDLE_FORMAT = 1
+#: The modules of the ``agentenv`` package envd imports besides ``agentenv.envd``: the contract
+#: constants and the error vocabulary (both import nothing of the project). The closure check
+#: refuses a bundle whose envd imports any other.
+SHARED_MODULES = ("__init__.py", "types.py", "errors.py")
 
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 STDLIB_REL = f"lib/python{PY_VERSION}"
@@ -106,6 +111,12 @@ def envd_source_dir() -> Path:
     return Path(agentenv.envd.__file__).parent
 
 
+def _bundled_sources() -> list[Path]:
+    """Every project source file the bundle ships: ``agentenv.envd`` and the shared modules."""
+    package = envd_source_dir().parent
+    return sorted([*(package / name for name in SHARED_MODULES), *envd_source_dir().rglob("*.py")])
+
+
 # -- identity ----------------------------------------------------------------------------------
 
 
@@ -118,9 +129,9 @@ def bundle_hash(py: HostPython | None = None) -> str:
     h.update(Path(compat_libs.__file__).read_bytes())
     st = py.executable.stat()
     h.update(f"{py.executable}:{st.st_size}:{st.st_mtime_ns}:{sys.version}\n".encode())
-    src = envd_source_dir()
-    for path in sorted([src.parent / "__init__.py", *src.rglob("*.py")]):
-        h.update(str(path.relative_to(src.parent)).encode() + b"\0" + path.read_bytes())
+    package = envd_source_dir().parent
+    for path in _bundled_sources():
+        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     dists = sorted(
         f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
         if d.metadata["Name"] and d.metadata["Name"] != "agentenv"
@@ -152,7 +163,7 @@ def envd_argv(host: str = "0.0.0.0", port: int = ENVD_PORT, mount_point: str = M
 def envd_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for envd (inherited by the processes it starts, under their own envs)."""
     env = {
-        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": DEFAULT_PATH,
         "HOME": "/root",
         "LANG": "C.UTF-8",
         # envd's own interpreter ignores these (-I); user processes must not see the bundle.
@@ -213,7 +224,8 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
         _copy_entry(entry, site_dest / entry.name)
     agentenv_dest = site_dest / "agentenv"
     agentenv_dest.mkdir()
-    shutil.copy2(envd_source_dir().parent / "__init__.py", agentenv_dest / "__init__.py")
+    for name in SHARED_MODULES:
+        shutil.copy2(envd_source_dir().parent / name, agentenv_dest / name)
     shutil.copytree(envd_source_dir(), agentenv_dest / "envd", ignore=_ignore_pycache)
     shutil.copy2(py.executable, dest / "bin" / "python3")
     libs = _copy_shared_libraries(dest)
@@ -283,9 +295,10 @@ def _envd_site_closure(py: HostPython) -> list[Path]:
         raise BundleError(
             f"importing agentenv.envd failed, cannot compute its closure:\n{proc.stderr[-3000:]}"
         )
+    imported = [Path(file) for file in json.loads(proc.stdout)]
+    _check_project_imports(imported)
     entries: dict[str, Path] = {}
-    for file in json.loads(proc.stdout):
-        path = Path(file)
+    for path in imported:
         for site in py.site_packages:
             if path.is_relative_to(site) and path != site:
                 top = site / path.relative_to(site).parts[0]
@@ -301,6 +314,19 @@ def _envd_site_closure(py: HostPython) -> list[Path]:
             if info.name.endswith(".dist-info") and info.is_dir():
                 entries[info.name] = info
     return sorted(entries.values())
+
+
+def _check_project_imports(imported: list[Path]) -> None:
+    """envd runs with only the bundled project modules: importing another one (agentenv.config,
+    say) would work on the host and fail in every sandbox."""
+    package = envd_source_dir().parent
+    shipped = set(_bundled_sources())
+    extra = sorted(
+        str(path.relative_to(package)) for path in imported
+        if path.suffix == ".py" and path.is_relative_to(package) and path not in shipped
+    )
+    if extra:
+        raise BundleError(f"envd imports project modules the bundle does not ship: {', '.join(extra)}")
 
 
 def _copy_entry(src: Path, dest: Path) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv.errors import AgentenvError, Failed, Invalid, NotFound
 from agentenv.types import TemplateImage
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -36,8 +37,21 @@ COMPLETE_MARKER = ".complete"
 METADATA_FILE = "template.json"
 
 
-class TemplateError(Exception):
-    """A template is unknown, missing or failed to build."""
+class TemplateError(AgentenvError):
+    """A template is unknown, missing or failed to build: catch this for any of them; each one
+    raised is also the error kind that says which."""
+
+
+class InvalidTemplateId(TemplateError, Invalid):
+    pass
+
+
+class TemplateNotBuilt(TemplateError, NotFound):
+    """Not (completely) built, or no recipe to build it from."""
+
+
+class TemplateBuildFailed(TemplateError, Failed):
+    pass
 
 
 @dataclass(frozen=True)
@@ -71,7 +85,7 @@ def templates_dir(settings: Settings) -> Path:
 
 def template_dir(template_id: str, settings: Settings) -> Path:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", template_id):
-        raise TemplateError(f"invalid template id {template_id!r}")
+        raise InvalidTemplateId(f"invalid template id {template_id!r}")
     return templates_dir(settings) / template_id
 
 
@@ -81,10 +95,10 @@ def is_built(template_id: str, settings: Settings) -> bool:
 
 
 def load_template(template_id: str, settings: Settings) -> TemplateImage:
-    """The finished template, or :class:`TemplateError` when it is not (completely) built."""
+    """The finished template, or :class:`TemplateNotBuilt` when it is not (completely) built."""
     tdir = template_dir(template_id, settings)
     if not is_built(template_id, settings):
-        raise TemplateError(
+        raise TemplateNotBuilt(
             f"template {template_id!r} is not built (run: agentenv template build {template_id})"
         )
     meta = json.loads((tdir / METADATA_FILE).read_text())
@@ -149,7 +163,7 @@ def _run(cmd: list[str], **kwargs: object) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
-        raise TemplateError(f"{cmd[0]} failed (exit {proc.returncode}): {tail}")
+        raise TemplateBuildFailed(f"{cmd[0]} failed (exit {proc.returncode}): {tail}")
 
 
 def _debootstrap(recipe: TemplateRecipe, target: Path, mirror: str) -> None:
@@ -163,11 +177,11 @@ def _busybox_rootfs(target: Path) -> None:
     """A root file system of one static busybox: no python, no libc, no package manager."""
     busybox = shutil.which("busybox")
     if busybox is None:
-        raise TemplateError("busybox is not installed (apt-get install busybox-static)")
+        raise TemplateBuildFailed("busybox is not installed (apt-get install busybox-static)")
     with open(busybox, "rb") as f:
         elf = f.read(1 << 20)
     if b"/lib64/ld-linux" in elf or b"ld-linux-x86-64.so" in elf:
-        raise TemplateError(f"{busybox} is dynamically linked; install busybox-static")
+        raise TemplateBuildFailed(f"{busybox} is dynamically linked; install busybox-static")
     for d in ("bin", "etc", "root", "tmp", "proc", "sys", "dev", f"home/{SANDBOX_USER}"):
         (target / d).mkdir(parents=True, exist_ok=True)
     (target / "tmp").chmod(0o1777)
@@ -190,7 +204,7 @@ def _populate(recipe: TemplateRecipe, target: Path) -> None:
         _debootstrap(recipe, target, host_debian_mirror())
         _configure_rootfs(target)
     else:
-        raise TemplateError(f"unknown template recipe kind {recipe.kind!r}")
+        raise TemplateBuildFailed(f"unknown template recipe kind {recipe.kind!r}")
 
 
 def _retire(tree: Path) -> None:
@@ -242,7 +256,7 @@ def build_template(template_id: str, settings: Settings, *, force: bool = False)
     if not force and is_built(template_id, settings):
         return load_template(template_id, settings)
     if recipe is None:
-        raise TemplateError(f"no build recipe for template {template_id!r} (known: {', '.join(RECIPES)})")
+        raise TemplateNotBuilt(f"no build recipe for template {template_id!r} (known: {', '.join(RECIPES)})")
     with _build_lock(tdir):
         if not force and is_built(template_id, settings):  # built by someone else meanwhile
             return load_template(template_id, settings)

@@ -24,7 +24,9 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from agentenv.types import ENVD_PORT
-from agentenv.runtime.base import Runtime, RuntimeError_
+from agentenv.config import Settings
+from agentenv.errors import Failed, NotSupported
+from agentenv.runtime.base import Runtime
 from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 
 
@@ -113,17 +115,17 @@ def upstream_app(seen: Upstream) -> Starlette:
 class LoopbackRuntime(Runtime):
     """Each sandbox is a uvicorn server on 127.213.x.y:49983 (unique per sandbox)."""
 
-    name = "loopback"
+    name = "loopback"  # type: ignore[assignment]  # a test runtime, not one of RUNTIME_NAMES
 
-    def __init__(self, *, fail_create: bool = False) -> None:
+    def __init__(self, settings: Settings | None = None, *, fail_create: bool = False) -> None:
+        super().__init__(settings or Settings())
         self.servers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = {}
         self.seen: dict[str, Upstream] = {}
         self.killed: list[str] = []
         self.fail_create = fail_create
         self._next = secrets.randbelow(200) * 250
 
-    @classmethod
-    def probe(cls) -> str | None:
+    def probe(self) -> str | None:
         return None
 
     def _address(self) -> str:
@@ -140,10 +142,10 @@ class LoopbackRuntime(Runtime):
         self.seen[spec.sandbox_id] = seen
         while not server.started:
             if task.done():
-                raise RuntimeError_(f"dummy upstream did not start: {task.exception()}")
+                raise Failed(f"dummy upstream did not start: {task.exception()}")
             await asyncio.sleep(0.01)
         if self.fail_create:
-            raise RuntimeError_("injected create failure")
+            raise Failed("injected create failure")
         return SandboxInstance(sandbox_id=spec.sandbox_id, runtime=self.name,
                                envd_url=f"http://{address}:{ENVD_PORT}", address=address,
                                state={"address": address})
@@ -170,10 +172,10 @@ class LoopbackRuntime(Runtime):
         return gone
 
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
-        raise RuntimeError_("the loopback test runtime has no snapshots", code=501)
+        raise NotSupported("the loopback test runtime has no snapshots")
 
     async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
-        raise RuntimeError_("the loopback test runtime has no snapshots", code=501)
+        raise NotSupported("the loopback test runtime has no snapshots")
 
     async def close(self) -> None:
         for sid in list(self.servers):

@@ -53,17 +53,12 @@ from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEvent
 from packaging.version import Version
 from protobuf import Oneof
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO
+from tests.support import free_port as _free_port
+
 ENVD_VERSION = Version("0.6.4")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="envd tests run envd as root (user switching)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+pytestmark = pytest.mark.requires_root("envd runs on the host as root (user switching)")
 
 
 @dataclass

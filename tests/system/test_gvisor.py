@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import RuntimeFactory, SandboxFactory, unique_id
 from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
@@ -23,10 +22,12 @@ from agentenv.runtime.gvisor.runtime import (
     runsc_processes,
 )
 from agentenv.runtime.network import netns_name
+from tests.support import leaks, unique_id
+from tests.support.fixtures import RuntimeFactory, SandboxFactory
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="gVisor sandboxes need root"),
+    pytest.mark.requires_root("gVisor sandboxes (runsc, netns, cgroups)"),
 ]
 
 
@@ -69,13 +70,13 @@ async def run(instance: SandboxInstance, cmd: str, user: str = "root", limit: fl
 
 def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
     """Every host resource of the sandbox that still exists (empty when it is fully gone)."""
-    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if sandbox_id in line]
+    mounts = leaks.mounts_naming(sandbox_id)
     found: dict[str, object] = {
         "processes": runsc_processes(
             container_id(sandbox_id), runtime.runsc_root, runtime.paths(sandbox_id).root
         ),
         "mounts": mounts,
-        "netns": Path(f"/var/run/netns/{netns_name(sandbox_id)}").exists(),
+        "netns": leaks.netns_exists(sandbox_id),
         "cgroups": cgroup_exists(sandbox_id),
         "dir": runtime.paths(sandbox_id).root.exists(),
         "runsc_state": (runtime.runsc_root / container_id(sandbox_id)).exists()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SHARED_TEMPLATES, RuntimeFactory, SandboxFactory
 from e2b.envd.client_shared import ENVD_JSON_CODEC
 from e2b.envd.process import process_connect, process_pb
 
@@ -29,8 +28,10 @@ from agentenv.storage.envd_bundle import (
     envd_env,
 )
 from agentenv.storage.templates import build_template
+from tests.support import SHARED_TEMPLATES
+from tests.support.fixtures import RuntimeFactory, SandboxFactory
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runsc, chroot)")
+pytestmark = pytest.mark.requires_root("runsc, chroot")
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
 
 

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from conftest import SHARED_TEMPLATES, unique_id
-from test_gvisor import leftovers, run
 
 from agentenv.config import Settings
 from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
+from tests.support import SHARED_TEMPLATES, unique_id
+from tests.system.test_gvisor import leftovers, run
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="gVisor sandboxes need root"),
+    pytest.mark.requires_root("gVisor sandboxes and a fake internet host (netns, veth, iptables)"),
 ]
 
 SANDBOX_SUBNET = "10.213.128.0/17"

@@ -22,7 +22,7 @@ from agentenv.storage.layers import (
     overlay_unmount,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="overlay mounts need root")
+pytestmark = pytest.mark.requires_root("overlay mounts")
 
 #: Weighted towards directories and whiteouts: their interplay is what a squash can get wrong.
 KINDS = ["file", "dir", "dir", "dir", "whiteout", "xwhiteout", "xwhiteout", "opaque", "symlink"]

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from conftest import unique_id
 
 from agentenv.config import Settings
 from agentenv.runtime import network
 from agentenv.runtime.network import NetworkError, SandboxNetwork
+from tests.support import unique_id
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and iptables need root"),
+    pytest.mark.requires_root("network namespaces and iptables"),
 ]
 
 

@@ -23,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SHARED_TEMPLATES, unique_id
 from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
-from e2e_fixtures import ServerProcess, kill_all_sandboxes, start_server
 from packaging.version import Version
 
 from agentenv.config import Settings
@@ -35,8 +33,11 @@ from agentenv.runtime.network import netns_name
 from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
 from agentenv.storage import images
 from agentenv.storage.reflink import ReflinkPool
+from tests.support import SHARED_TEMPLATES, leaks, unique_id
+from tests.support.counter import STATE_FILE, assert_state_continues, counter_command, read_counter
+from tests.support.server import ServerProcess, kill_all_sandboxes, start_server
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="microVM sandboxes need root (netns, tap)")]
+pytestmark = [pytest.mark.requires_root("microVM sandboxes (netns, tap)")]
 
 VM_LIMIT = 600.0
 
@@ -103,11 +104,10 @@ def test_extract_vmlinux_rejects_garbage() -> None:
 
 
 def _host_leftovers(settings: Settings, sandbox_id: str) -> dict[str, object]:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     paths = vm_paths(settings, sandbox_id)
     found: dict[str, object] = {
-        "qemu": [line for line in ps.splitlines() if "qemu-system" in line and str(paths.root) in line],
-        "netns": Path(f"/var/run/netns/{netns_name(sandbox_id)}").exists(),
+        "qemu": leaks.processes("qemu-system", str(paths.root)),
+        "netns": leaks.netns_exists(sandbox_id),
         "dir": paths.root.exists(),
         "upper": paths.upper.exists(),
     }
@@ -195,29 +195,19 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
 
 #: A process whose state lives in guest memory; it writes by rename so a reader never sees a
 #: half-written file. 0.2 s steps: every step forks two processes on an emulated CPU.
-COUNTER = (
-    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
-    "mv /tmp/counter.new /tmp/counter; sleep 0.2; done' >/dev/null 2>&1 &"
-)
-STATE_FILE = "/home/user/state.txt"
+COUNTER = counter_command(step=0.2)
 #: Template snapshots and warm pools off: they would boot a second VM in the background (a minute
 #: of emulated CPU on 2 cores) and are not what the lifecycle test is about.
 SERVER_ENV = {"AGENTENV_RUNTIME": "qemu", "AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
 
 
 def _counter(sbx: Sandbox) -> int:
-    return int(sbx.commands.run("cat /tmp/counter", timeout=120, request_timeout=120).stdout.strip())
+    return read_counter(sbx, request_timeout=120)
 
 
 def _assert_state_continues(sbx: Sandbox, before: int, content: str = "parent-state") -> None:
     """The file is there and the counter process came back with its memory and keeps counting."""
-    assert sbx.files.read(STATE_FILE, request_timeout=120) == content
-    first = _counter(sbx)
-    assert first >= before  # not restarted from 0
-    deadline = time.monotonic() + 60
-    while _counter(sbx) <= first:
-        assert time.monotonic() < deadline, "the counter process stopped"
-        time.sleep(0.5)
+    assert_state_continues(sbx, before, content, timeout=60, request_timeout=120)
 
 
 def _slots(data_dir: Path) -> dict[str, str]:
@@ -307,7 +297,7 @@ def test_lifecycle_through_server(qemu_settings: Settings) -> None:
             assert _host_leftovers(settings, sandbox_id) == {}, sandbox_id
         assert _slots(data) == {}
         host_links = [f"aeh{name.removeprefix('slot-')}" for name in slots]
-        assert [link for link in host_links if Path(f"/sys/class/net/{link}").exists()] == []
+        assert [link for link in host_links if leaks.link_exists(link)] == []
         assert not (data / "snapshots" / snapshot_id).exists()
     finally:
         # After a failure: whatever the server left (a paused sandbox keeps its netns).

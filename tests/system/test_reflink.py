@@ -10,7 +10,7 @@ import pytest
 
 from agentenv.storage.reflink import ReflinkError, ReflinkPool, clone_file, disk_usage_bytes
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting the XFS pool needs root")
+pytestmark = pytest.mark.requires_root("mounting the XFS pool")
 
 GIB = 1 << 30
 MIB = 1 << 20

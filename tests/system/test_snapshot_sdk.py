@@ -15,41 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox
-from e2e_fixtures import *  # noqa: F403  (the agentenv_server fixture)
-from e2e_fixtures import (
-    ServerProcess,
-    base_template_missing,
-    kill_all_sandboxes,
-    start_server,
-    wait_no_host_resources,
-)
 
-# Written by rename, so a reader never sees a truncated file.
-COUNTER = (
-    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
-    "mv /tmp/counter.new /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 &"
-)
-
-
-def counter(sbx: Sandbox) -> int:
-    return int(sbx.commands.run("cat /tmp/counter").stdout.strip())
-
-
-def start_state(sbx: Sandbox) -> int:
-    """A file on disk and a counter process in memory; returns the counter's value."""
-    sbx.files.write("/home/user/state.txt", "parent-state")
-    sbx.commands.run(COUNTER)
-    time.sleep(0.5)
-    return counter(sbx)
-
-
-def assert_state_continues(sbx: Sandbox, before: int) -> None:
-    assert sbx.files.read("/home/user/state.txt") == "parent-state"
-    first = counter(sbx)
-    assert first >= before  # the process came back with its memory, not restarted from 0
-    time.sleep(0.4)
-    assert counter(sbx) > first  # ... and keeps running
-
+from tests.support import base_template_missing
+from tests.support.counter import assert_counter_runs, assert_state_continues, start_state
+from tests.support.counter import read_counter as counter
+from tests.support.leaks import wait_no_host_resources
+from tests.support.server import ServerProcess, kill_all_sandboxes, serve, start_server
 
 @pytest.fixture()
 def parent(agentenv_server: ServerProcess) -> Iterator[Sandbox]:
@@ -120,12 +91,6 @@ def test_fork_16_children_diverge_and_survive_the_parent(parent: Sandbox) -> Non
             assert wait_no_host_resources(child.sandbox_id) == []
 
 
-def assert_counter_runs(sbx: Sandbox) -> None:
-    first = counter(sbx)
-    time.sleep(0.3)
-    assert counter(sbx) > first
-
-
 # -- server restarts ----------------------------------------------------------------------------
 
 
@@ -134,13 +99,8 @@ def own_server(prefix: str, extra_env: dict[str, str] | None = None) -> Iterator
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        server = start_server(Path(tmp) / "data", extra_env=extra_env)
-        try:
-            yield server
-        finally:
-            kill_all_sandboxes(server)
-            server.stop()
+    with serve(prefix=prefix, extra_env=extra_env) as server:
+        yield server
 
 
 @pytest.fixture()
@@ -150,7 +110,7 @@ def private_server() -> Iterator[ServerProcess]:
 
 
 def sdk_opts(server: ServerProcess) -> dict[str, str]:
-    return {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url}
+    return server.sdk_opts
 
 
 def test_paused_sandbox_survives_server_restart(private_server: ServerProcess) -> None:

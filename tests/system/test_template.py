@@ -23,9 +23,7 @@ from agentenv.storage.templates import (
     template_dir,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="template builds need root (chroot)")
-
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.requires_root("template builds (debootstrap, chroot)")
 
 
 def test_base_template_cache_is_reused(agentenv_settings: Settings, base_template: TemplateImage) -> None:

@@ -1,5 +1,6 @@
 """Firecracker runtime: every API body checked against Firecracker's published schema; memory
-merging of diff snapshots; the API client over a real Unix socket; a real boot where KVM allows."""
+merging of diff snapshots; the API client over a real Unix socket (the real boot:
+tests/system/test_firecracker_boot.py)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from agentenv.runtime.firecracker.runtime import (
     restore_requests,
 )
 from agentenv.storage.images import GuestImages, GuestKernel
+from tests.support import TESTS
 
-SCHEMA_FILE = Path(__file__).parent / "data" / "firecracker" / "firecracker-api.yaml"
+SCHEMA_FILE = TESTS / "data" / "firecracker" / "firecracker-api.yaml"
 
 
 def _closed(schema: Any) -> Any:
@@ -223,50 +225,6 @@ async def test_client_speaks_http_over_the_api_socket(spec_doc: dict[str, Any], 
         await server.wait_closed()
         sock.unlink(missing_ok=True)
     assert seen[0] == ("PATCH", "/vm", {"state": "Paused"})
-
-
-# -- real Firecracker (KVM with vmx/svm, or PVM, and a firecracker binary) ------------------------
-
-
-def _real_firecracker_reason() -> str | None:
-    reason = FirecrackerRuntime.probe()
-    if reason is not None:
-        return reason
-    rootfs = Path("/var/lib/agentenv/templates/base/rootfs")
-    if not rootfs.is_dir():
-        return f"base template {rootfs} is missing (agentenv template build)"
-    return None
-
-
-@pytest.mark.kvm
-async def test_real_firecracker_boot_snapshot_restore(tmp_path: Path) -> None:
-    reason = _real_firecracker_reason()
-    if reason is not None:
-        print(f"SKIP real Firecracker: {reason}")
-        pytest.skip(reason)
-    import httpx
-
-    settings = Settings(data_dir=tmp_path / "data")
-    runtime = FirecrackerRuntime(settings)
-    template = TemplateImage("base", Path("/var/lib/agentenv/templates/base/rootfs"), vcpus=1, memory_mb=512)
-    suffix = uuid.uuid4().hex[:6]
-    spec = SandboxSpec(f"fc{suffix}", template)
-    instance = await runtime.create(spec)
-    restored = None
-    try:
-        async with httpx.AsyncClient() as http:
-            assert (await http.get(f"{instance.envd_url}/health")).status_code in (200, 204)
-        snap = SnapshotRef(f"snap{suffix}", tmp_path / "snap")
-        await runtime.snapshot(instance, snap, stop=False)
-        restored = await runtime.restore(SandboxSpec(f"fr{suffix}", template), snap)
-        async with httpx.AsyncClient() as http:
-            assert (await http.get(f"{restored.envd_url}/health")).status_code in (200, 204)
-    finally:
-        await runtime.kill(instance)
-        if restored is not None:
-            await runtime.kill(restored)
-    leftovers = [settings.data_dir / "sandboxes" / spec.sandbox_id, Path(f"/run/netns/ae-{spec.sandbox_id}")]
-    assert not [p for p in leftovers if os.path.lexists(p)]  # noqa: ASYNC240 - test assertion
 
 
 def test_closed_schema_copy_does_not_mutate_the_document(spec_doc: dict[str, Any]) -> None:

@@ -107,7 +107,10 @@ def snapshot_layers(path: Path) -> list[str]:
 
 def saved_network(meta: dict[str, Any]) -> SandboxNetwork:
     """The network the snapshotted sandbox had (its netstack was saved with that address)."""
-    return SandboxNetwork.from_state(meta["network"])
+    try:
+        return SandboxNetwork.from_state(meta["network"])
+    except (KeyError, TypeError) as exc:
+        raise Gone(f"snapshot of sandbox {meta.get('sandbox_id')} names no usable network: {exc!r}") from exc
 
 
 # -- checkpoint -----------------------------------------------------------------------------------

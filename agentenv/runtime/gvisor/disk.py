@@ -17,7 +17,7 @@ from pathlib import Path
 from agentenv.errors import Failed, Gone
 from agentenv.runtime.gvisor.paths import SandboxPaths, write_json
 from agentenv.storage.envd_bundle import MOUNT_POINT
-from agentenv.storage.layers import LayerError, LayerStore, tree_bytes, overlay_mount, overlay_unmount
+from agentenv.storage.layers import LayerError, LayerStore, overlay_mount, overlay_unmount, tree_bytes
 
 #: Where the envd bundle is mounted, relative to the root.
 MOUNT_POINT_DIR = MOUNT_POINT.lstrip("/")

@@ -118,9 +118,8 @@ class Runsc:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-                raise Failed(
-                    f"runsc {verb[0]} of sandbox {paths.sandbox_id} did not finish within {START_TIMEOUT:.0f}s"
-                ) from None
+                raise Failed(f"runsc {verb[0]} of sandbox {paths.sandbox_id} did not finish "
+                             f"within {START_TIMEOUT:.0f}s") from None
         if code != 0:
             raise Failed(
                 f"runsc {verb[0]} of sandbox {paths.sandbox_id} failed (exit {code}): {tail(paths.runsc_log)}"

@@ -104,9 +104,10 @@ class GvisorRuntime(Runtime):
         try:
             net = await self._setup_network(spec)
             rootfs = await asyncio.to_thread(self.disks.mount, paths, spec.template.rootfs, [])
-            instance = self._write_bundle(spec, net, rootfs, envd_bundle)
+            self._write_bundle(spec, net, rootfs, envd_bundle)
+            instance = self._instance(spec, net, envd_bundle)
             await self.runsc.start(paths)
-            await self.wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
+            await self._wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
         except BaseException:
             await self._destroy(paths, net)
             raise
@@ -184,13 +185,12 @@ class GvisorRuntime(Runtime):
             },
         }
 
-    def _write_bundle(
-        self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path
-    ) -> SandboxInstance:
-        """Write the sandbox's OCI bundle; return the instance it will be once started."""
+    def _write_bundle(self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path) -> None:
         bundle = self.paths(spec.sandbox_id).bundle
         bundle.mkdir(parents=True, exist_ok=True)
         write_json(bundle / "config.json", self.oci_spec(spec, net, rootfs, envd_bundle))
+
+    def _instance(self, spec: SandboxSpec, net: SandboxNetwork, envd_bundle: Path) -> SandboxInstance:
         return SandboxInstance(
             sandbox_id=spec.sandbox_id,
             runtime=self.name,
@@ -209,7 +209,7 @@ class GvisorRuntime(Runtime):
             },
         )
 
-    async def wait_for_envd(self, paths: SandboxPaths, url: str, limit: float) -> None:
+    async def _wait_for_envd(self, paths: SandboxPaths, url: str, limit: float) -> None:
         """Return once envd answers ``GET /health``; fail early when the container died."""
         deadline = time.monotonic() + limit
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
@@ -226,8 +226,8 @@ class GvisorRuntime(Runtime):
                     )
                 if time.monotonic() > deadline:
                     raise Failed(
-                        f"envd of sandbox {paths.sandbox_id} did not answer {url}/health within {limit:.0f}s; "
-                        f"envd output: {tail(paths.envd_log)}"
+                        f"envd of sandbox {paths.sandbox_id} did not answer {url}/health "
+                        f"within {limit:.0f}s; envd output: {tail(paths.envd_log)}"
                     )
                 await asyncio.sleep(0.05)
 
@@ -327,7 +327,7 @@ class GvisorRuntime(Runtime):
             await asyncio.to_thread(self.disks.mount, paths, template_rootfs, chain)
             net = SandboxNetwork.from_state(instance.state["network"])
             await checkpoint.restore_container(self.runsc, paths, image, net)
-            await self.wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
+            await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
         except BaseException:
             log.exception("sandbox %s did not come back after its snapshot", instance.sandbox_id)
             raise
@@ -339,25 +339,27 @@ class GvisorRuntime(Runtime):
         network survived (a resume), it restores into them; otherwise it gets new ones."""
         paths = self.paths(spec.sandbox_id)
         meta = checkpoint.read_meta(source.path)
+        saved_net = checkpoint.saved_network(meta)
         resume = meta.get("sandbox_id") == spec.sandbox_id and paths.root.is_dir()
         envd_bundle = await asyncio.to_thread(build_envd_bundle, self.settings)
         timings: dict[str, float] = {}
         net: SandboxNetwork | None = None
         try:
             t = time.monotonic()
-            net = await self._restore_network(spec, meta, resume)
+            net = await self._restore_network(spec, saved_net, resume)
             timings["network_ms"] = elapsed_ms(t)
             t = time.monotonic()
             rootfs = await checkpoint.mount_snapshot_disk(
                 self.disks, paths, spec.template.rootfs, meta, resume=resume
             )
             timings["disk_ms"] = elapsed_ms(t)
-            instance = self._write_bundle(spec, net, rootfs, envd_bundle)
+            self._write_bundle(spec, net, rootfs, envd_bundle)
+            instance = self._instance(spec, net, envd_bundle)
             t = time.monotonic()
             await checkpoint.restore_container(self.runsc, paths, source.path / MEMORY_DIR, net)
             timings["runsc_restore_ms"] = elapsed_ms(t)
             t = time.monotonic()
-            await self.wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
+            await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
             timings["envd_ms"] = elapsed_ms(t)
         except BaseException:
             await self._destroy(paths, net)
@@ -365,10 +367,11 @@ class GvisorRuntime(Runtime):
         log.info("gvisor restore of %s from %s: %s", spec.sandbox_id, source.snapshot_id, timings)
         return instance
 
-    async def _restore_network(self, spec: SandboxSpec, meta: dict[str, Any], resume: bool) -> SandboxNetwork:
-        """A resume keeps the sandbox's network when its netns survived; anything else gets a
-        network (and slot) of its own."""
-        saved = checkpoint.saved_network(meta)
+    async def _restore_network(
+        self, spec: SandboxSpec, saved: SandboxNetwork, resume: bool
+    ) -> SandboxNetwork:
+        """A resume keeps the sandbox's network (``saved``) when its netns survived; anything else
+        gets a network (and slot) of its own."""
         if resume and await asyncio.to_thread(os.path.exists, saved.netns_path):
             return saved
         return await self._setup_network(spec)
