@@ -1,32 +1,56 @@
 # The two set-up commands: `make run` and `make test`. Both install whatever is missing.
+# Without root: `make test-unit` (the unit tests only; no apt, no runsc, no template).
 PY := .venv/bin/python
 AGENTENV := .venv/bin/agentenv
 
-.PHONY: run test bench bootstrap lint proto template clean
+.PHONY: run test test-unit bench bootstrap template lint proto clean
+
+# One lint recipe for `make lint` and `make test`.
+define LINT
+.venv/bin/ruff check agentenv tests bench
+.venv/bin/mypy agentenv
+endef
 
 bootstrap:
 	@scripts/bootstrap.sh
 
-run: bootstrap
+# The `base` template in the shared cache (/var/lib/agentenv/templates): a minute once, then instant.
+template: bootstrap
 	$(AGENTENV) template build base
+
+run: template
 	$(AGENTENV) serve
 
-test:
+# The whole suite: unit and system tests (root; system tests need runsc, QEMU, the template).
+test: template
 	@scripts/bootstrap.sh --test
-	$(AGENTENV) template build base
-	.venv/bin/ruff check agentenv tests bench
-	.venv/bin/mypy agentenv
+	$(LINT)
 	$(PY) -m pytest -rs $(PYTEST_ARGS)
 
-bench: bootstrap
-	$(AGENTENV) template build base
+# tests/unit only: any user, about a minute. Uses the existing .venv; creates it (pip only, no
+# apt) when there is none.
+test-unit: | $(PY)
+	$(PY) -m pytest -rs tests/unit $(PYTEST_ARGS)
+
+$(PY):
+	python3 -m venv .venv
+	.venv/bin/pip install -q --disable-pip-version-check -e ".[test,dev]"
+	touch .venv/.agentenv-installed
+
+bench: template
 	$(PY) -m bench $(BENCH_ARGS)
 
 lint: bootstrap
-	.venv/bin/ruff check agentenv tests bench
-	.venv/bin/mypy agentenv
+	$(LINT)
 
 # Regenerate the envd protobuf messages from the shared E2B protos.
 proto: bootstrap
 	PATH=$(CURDIR)/.venv/bin:$$PATH protoc -I ../shared/e2b-spec --py_out=agentenv/envd/proto \
 	  process.proto filesystem.proto
+
+# Caches and build output of the tools (pytest, mypy, ruff, setuptools, __pycache__). Keeps the
+# .venv, tests/js/node_modules, bench/results and the template cache; never touches /tmp.
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache build
+	find . -path ./.venv -prune -o -path ./tests/js/node_modules -prune -o \
+	  -type d -name __pycache__ -print0 | xargs -0 -r rm -rf

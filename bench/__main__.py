@@ -75,8 +75,7 @@ def main() -> None:
                 print(f"bench: {name} benchmark not present, skipped")
                 continue
             if name == "lifecycle":
-                results[name] = module.run(server.url, server.api_key, args.runs,
-                                           server.data_dir / "server.log")
+                results[name] = module.run(server.url, server.api_key, args.runs, server.log_path)
             else:
                 results[name] = module.run(server.url, server.api_key, args.runs)
             write_result(name, results[name])

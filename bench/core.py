@@ -15,7 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.harness import Server, stats, timed
+from bench.harness import ServerProcess, stats, timed
 
 ONE_MIB = os.urandom(1 << 20)
 
@@ -77,8 +77,8 @@ def run_concurrency(concurrency: int, sessions: int, commands: int) -> dict[str,
     return {key: stats(samples) for key, samples in merged.items()}
 
 
-def run(server: Server, runs: int, templates_dir: Path) -> dict[str, object]:
-    os.environ.update(server.sdk_env())
+def run(server: ServerProcess, runs: int, templates_dir: Path) -> dict[str, object]:
+    os.environ.update(server.sdk_env)
     rootfs = templates_dir / "base" / "rootfs"
     baseline = stats(runsc_cold_baseline(rootfs, runs)) if shutil.which("runsc") else {"n": 0}
     single = run_concurrency(1, runs, commands=10)

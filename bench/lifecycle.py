@@ -157,7 +157,7 @@ def main() -> None:
         result = run(os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"], runs)
     else:
         with serve() as server:
-            result = run(server.url, server.api_key, runs, server.data_dir / "server.log")
+            result = run(server.url, server.api_key, runs, server.log_path)
     path = write_result("lifecycle", result)
     print(json.dumps(result["stats"], indent=2), "\n->", path)
 

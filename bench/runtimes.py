@@ -187,7 +187,7 @@ def measure(runtime: str, cold_runs: int, rounds: int) -> dict[str, Any]:
                 errors.append(f"cold create: {type(exc).__name__}: {exc}")
         _lifecycle(opts, rounds, samples, errors)
         # Read while the server runs: the harness may delete its data dir on the way out.
-        phases = _phase_report(_phases(data_dir / "server.log")) if runtime == "qemu" else {}
+        phases = _phase_report(_phases(server.log_path)) if runtime == "qemu" else {}
     _release(data_dir)
     return {"samples": samples, "errors": errors, "phases": phases}
 

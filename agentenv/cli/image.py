@@ -7,7 +7,7 @@ import time
 
 import typer
 
-from agentenv.config import get_settings
+from agentenv.config import Settings
 from agentenv.storage.images import ImageError, build_guest_images
 from agentenv.storage.templates import TemplateError, load_template
 
@@ -20,7 +20,7 @@ def build(
     as_json: bool = typer.Option(False, "--json", help="Print the artifact paths as JSON."),
 ) -> None:
     """Build (or reuse, when cached) vmlinux, initramfs, base/envd drives and the upper template."""
-    settings = get_settings()
+    settings = Settings()
     started = time.monotonic()
     try:
         image = load_template(template, settings)

@@ -7,7 +7,7 @@ import time
 
 import typer
 
-from agentenv.config import get_settings
+from agentenv.config import Settings
 from agentenv.storage.templates import TemplateError, build_template, is_built, list_templates
 
 app = typer.Typer(help="Build and list sandbox templates.", no_args_is_help=True)
@@ -19,7 +19,7 @@ def build(
     force: bool = typer.Option(False, "--force", help="Rebuild even if already built."),
 ) -> None:
     """Build a template (instant when it is already built)."""
-    settings = get_settings()
+    settings = Settings()
     already = is_built(template_id, settings) and not force
     started = time.monotonic()
     try:
@@ -34,7 +34,7 @@ def build(
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List completely built templates."""
-    templates = list_templates(get_settings())
+    templates = list_templates(Settings())
     if as_json:
         typer.echo(json.dumps(templates, indent=2))
         return

@@ -56,6 +56,7 @@ class AccessTokenMiddleware:
             return
         message = "missing or invalid access token (X-Access-Token)"
         if scope["path"].startswith((f"/{PROCESS_SERVICE}/", f"/{FILESYSTEM_SERVICE}/")):
+            # An RPC client reads Connect's error shape (a code name), not E2B's HTTP one.
             response: Response = JSONResponse(
                 {"code": "unauthenticated", "message": message}, status_code=401
             )
@@ -168,6 +169,5 @@ def create_app(settings: EnvdSettings) -> Starlette:
     )
     app.state.envd = state
     app.state.cpu = metrics.CpuSampler()
-    app.state.started = time.time()
     app.state.sync_clock = settings.sync_clock
     return app

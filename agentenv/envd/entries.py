@@ -7,6 +7,7 @@ import grp
 import os
 import pwd
 import stat
+from collections.abc import Callable
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -52,22 +53,22 @@ _OWNER_NAMES: dict[int, str] = {}
 _GROUP_NAMES: dict[int, str] = {}
 
 
-def _owner(uid: int) -> str:
-    if uid not in _OWNER_NAMES:
+def _account_name(cache: dict[int, str], number: int, lookup: Callable[[int], str]) -> str:
+    """The name of a uid or gid; the number itself when no account has it (as Go's envd prints)."""
+    if number not in cache:
         try:
-            _OWNER_NAMES[uid] = pwd.getpwuid(uid).pw_name
+            cache[number] = lookup(number)
         except KeyError:
-            return str(uid)
-    return _OWNER_NAMES[uid]
+            return str(number)
+    return cache[number]
+
+
+def _owner(uid: int) -> str:
+    return _account_name(_OWNER_NAMES, uid, lambda n: pwd.getpwuid(n).pw_name)
 
 
 def _group(gid: int) -> str:
-    if gid not in _GROUP_NAMES:
-        try:
-            _GROUP_NAMES[gid] = grp.getgrgid(gid).gr_name
-        except KeyError:
-            return str(gid)
-    return _GROUP_NAMES[gid]
+    return _account_name(_GROUP_NAMES, gid, lambda n: grp.getgrgid(n).gr_name)
 
 
 def _file_type(mode: int) -> FileType:

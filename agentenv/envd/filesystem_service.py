@@ -20,7 +20,7 @@ from connectrpc.request import RequestContext
 from protobuf import Oneof
 
 from agentenv.envd.entries import entry_from_stat, entry_info, os_error_to_connect
-from agentenv.envd.inotify import DirectoryWatcher, WatchEvent
+from agentenv.envd.inotify import QUEUE_OVERFLOW, DirectoryWatcher, WatchEvent
 from agentenv.envd.proto.filesystem_pb import (
     CreateWatcherRequest,
     CreateWatcherResponse,
@@ -57,9 +57,6 @@ _NETWORK_FS_TYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "
 #: fs.inotify.max_queued_events, 16384 by default); one more and the watcher fails as on a kernel
 #: overflow, rather than envd's memory growing or events being dropped unnoticed.
 _MAX_PENDING_EVENTS = 16_384
-#: What a watcher fails with when events were lost: fsnotify's ErrEventOverflow as E2B's envd
-#: wraps it (a WatchDir stream ends with it, GetWatcherEvents answers it from then on; both INTERNAL).
-OVERFLOW_MESSAGE = "watcher error: fsnotify: queue or buffer overflow"
 
 
 def make_dirs(path: str, user: User) -> None:
@@ -97,6 +94,16 @@ def chown_to(path: str, user: User) -> None:
         os.chown(path, user.uid, user.gid, follow_symlinks=False)
 
 
+def _require_directory(path: str) -> None:
+    """``path`` must be a directory, or a symlink to one (which stands for the directory)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise os_error_to_connect(exc, path) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
+
+
 def _fs_type(path: str) -> str:
     """Type of the mount holding ``path`` (longest mount point prefix in /proc/self/mountinfo)."""
     best, best_type = "", ""
@@ -118,7 +125,11 @@ def _fs_type(path: str) -> str:
 
 class _Watch:
     """One inotify watcher feeding either a WatchDir stream (``queue``, ended by None) or a polled
-    event buffer. ``failure`` is set once events were lost; the watcher stops then."""
+    event buffer.
+
+    Once events are lost the watcher stops and ``failure`` says why, worded as E2B's envd words
+    fsnotify's errors: a WatchDir stream ends with it after the events from before the loss,
+    GetWatcherEvents answers it from then on; both as INTERNAL."""
 
     def __init__(self, root: str, recursive: bool, include_entry: bool) -> None:
         self.queue: asyncio.Queue[FilesystemEvent | None] = asyncio.Queue()
@@ -126,12 +137,12 @@ class _Watch:
         self.polled = False
         self.failure: str | None = None
         self._include_entry = include_entry
-        self.watcher = DirectoryWatcher(root, recursive, self._on_event, self._on_overflow)
+        self.watcher = DirectoryWatcher(root, recursive, self._on_event, self._on_failure)
 
     def _on_event(self, event: WatchEvent) -> None:
         pending = len(self.buffer) if self.polled else self.queue.qsize()
         if pending >= _MAX_PENDING_EVENTS:
-            self._on_overflow()
+            self._on_failure(QUEUE_OVERFLOW)
             return
         fs_event = FilesystemEvent(name=event.name, type=event.type)
         if self._include_entry:
@@ -144,8 +155,8 @@ class _Watch:
         else:
             self.queue.put_nowait(fs_event)
 
-    def _on_overflow(self) -> None:
-        self.failure = OVERFLOW_MESSAGE
+    def _on_failure(self, reason: str) -> None:
+        self.failure = f"watcher error: {reason}"
         self.close()
 
     def raise_failure(self) -> None:
@@ -212,12 +223,7 @@ class FilesystemService:
     ) -> ListDirResponse:
         path, _ = self._path(request.path, ctx)
         depth = request.depth or 1
-        try:
-            st = os.stat(path)  # a symlink to a directory lists the directory
-        except OSError as exc:
-            raise os_error_to_connect(exc, path) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
+        _require_directory(path)
         entries: list[EntryInfo] = []
         await asyncio.to_thread(_walk, path, depth, entries)  # big trees must not stall the loop
         return ListDirResponse(entries=entries)
@@ -243,12 +249,7 @@ class FilesystemService:
     def _open_watch(
         self, path: str, recursive: bool, include_entry: bool, allow_network_mounts: bool
     ) -> _Watch:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise os_error_to_connect(exc, path) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
+        _require_directory(path)
         fs_type = _fs_type(os.path.realpath(path))
         if not allow_network_mounts and fs_type.split(".")[0] in _NETWORK_FS_TYPES:
             raise ConnectError(
@@ -278,7 +279,7 @@ class FilesystemService:
                 else:
                     happened: Oneof[Literal["filesystem"], FilesystemEvent] = Oneof("filesystem", event)
                     yield WatchDirResponse(event=happened)
-            watch.raise_failure()  # after the events from before the loss, as in Go's envd
+            watch.raise_failure()
         finally:
             watch.close()
 
@@ -298,7 +299,7 @@ class FilesystemService:
         ctx: RequestContext[GetWatcherEventsRequest, GetWatcherEventsResponse],
     ) -> GetWatcherEventsResponse:
         watch = self._watcher(request.watcher_id)
-        watch.raise_failure()  # from now until RemoveWatcher, as E2B's envd; its events are lost
+        watch.raise_failure()  # until RemoveWatcher; the events it still holds are lost
         events, watch.buffer = watch.buffer, []
         return GetWatcherEventsResponse(events=events)
 

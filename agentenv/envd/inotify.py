@@ -3,7 +3,8 @@
 One inotify instance per watcher. Recursive watchers add a watch for every directory below the
 root, and for directories created (or moved in) later. When the kernel's queue overflows
 (``IN_Q_OVERFLOW``: more than ``fs.inotify.max_queued_events`` unread), events were lost: the
-watcher stops and says so, as fsnotify reports ``ErrEventOverflow`` to E2B's envd.
+watcher stops and says so, as fsnotify reports ``ErrEventOverflow`` to E2B's envd; so it does
+when reading the queue fails.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ IN_IGNORED = 0x00008000
 IN_ISDIR = 0x40000000
 IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
+
+#: fsnotify's ErrEventOverflow, which E2B's envd hands its clients on IN_Q_OVERFLOW.
+QUEUE_OVERFLOW = "fsnotify: queue or buffer overflow"
 
 _WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
 _HEADER = struct.Struct("iIII")
@@ -86,20 +90,21 @@ class WatchEvent:
 
 
 class DirectoryWatcher:
-    """Calls ``on_event`` for each change below ``root``; on a queue overflow it closes itself and
-    calls ``on_overflow`` instead (nothing after a gap is worth reporting as if complete)."""
+    """Calls ``on_event`` for each change below ``root``. When events are lost (a queue overflow,
+    a failed read) it closes itself and calls ``on_failure`` with the reason instead: nothing
+    after a gap is worth reporting as if it were complete."""
 
     def __init__(
         self,
         root: str,
         recursive: bool,
         on_event: Callable[[WatchEvent], None],
-        on_overflow: Callable[[], None],
+        on_failure: Callable[[str], None],
     ) -> None:
         self.root = root
         self._recursive = recursive
         self._on_event = on_event
-        self._on_overflow = on_overflow
+        self._on_failure = on_failure
         self._fd = _check(_lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         self._dirs: dict[int, str] = {}
         #: rename cookie -> the upload temp file moved away under it (see tempnames)
@@ -135,9 +140,9 @@ class DirectoryWatcher:
         except BlockingIOError:
             return
         except OSError as exc:
-            if exc.errno == errno.EBADF:
-                return
-            raise
+            if exc.errno != errno.EBADF:  # EBADF: closed meanwhile, nobody waits for events
+                self._fail(f"reading inotify events: {exc.strerror}")
+            return
         offset = 0
         # An event's consumer may close the watcher mid-batch (see filesystem_service._Watch).
         while offset + _HEADER.size <= len(data) and not self._closed:
@@ -145,10 +150,13 @@ class DirectoryWatcher:
             raw_name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
             offset += _HEADER.size + length
             if mask & IN_Q_OVERFLOW:
-                self.close()
-                self._on_overflow()
+                self._fail(QUEUE_OVERFLOW)
                 return
             self._handle(wd, mask, cookie, os.fsdecode(raw_name))
+
+    def _fail(self, reason: str) -> None:
+        self.close()
+        self._on_failure(reason)
 
     def _handle(self, wd: int, mask: int, cookie: int, name: str) -> None:
         if mask & IN_IGNORED:

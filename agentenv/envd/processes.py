@@ -18,7 +18,7 @@ import struct
 import termios
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -320,23 +320,30 @@ class ProcessTable:
             managed.send_signal(signal.SIGKILL)
 
 
-async def _spawn_with_pipes(
-    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, stdin: bool
+async def _exec(
+    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, **stdio: Any
 ) -> asyncio.subprocess.Process:
+    """Start the command as ``user`` in a session of its own (it leads the group signals go to)."""
     uid, gid, groups = _identity(user)
     return await asyncio.create_subprocess_exec(
         config.cmd,
         *config.args,
-        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
         cwd=cwd,
         env=env,
         start_new_session=True,
         user=uid,
         group=gid,
         extra_groups=groups,
+        **stdio,
     )
+
+
+async def _spawn_with_pipes(
+    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, stdin: bool
+) -> asyncio.subprocess.Process:
+    stdin_pipe = asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL
+    pipe = asyncio.subprocess.PIPE
+    return await _exec(config, cwd, env, user, stdin=stdin_pipe, stdout=pipe, stderr=pipe)
 
 
 async def _spawn_on_pty(
@@ -344,23 +351,11 @@ async def _spawn_on_pty(
 ) -> tuple[asyncio.subprocess.Process, int]:
     """The child gets a new session with the PTY's slave as controlling terminal; envd keeps the
     master (non-blocking) for output and input."""
-    uid, gid, groups = _identity(user)
     master, slave = pty.openpty()
     try:
         _set_winsize(slave, *size)
-        proc = await asyncio.create_subprocess_exec(
-            config.cmd,
-            *config.args,
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_set_controlling_tty,
-            user=uid,
-            group=gid,
-            extra_groups=groups,
+        proc = await _exec(
+            config, cwd, env, user, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_set_controlling_tty
         )
     except BaseException:
         os.close(master)

@@ -8,10 +8,9 @@ import httpx
 
 from agentenv.errors import Unavailable
 from agentenv.orchestrator.timing import utcnow
-from agentenv.types import SandboxInstance
+from agentenv.types import SANDBOX_USER, SandboxInstance
 
-DEFAULT_USER = "user"
-DEFAULT_WORKDIR = "/home/user"
+DEFAULT_WORKDIR = f"/home/{SANDBOX_USER}"
 INIT_ATTEMPTS = 20
 
 
@@ -24,7 +23,7 @@ class EnvdClient:
         body: dict[str, object] = {
             "envVars": envs,
             "timestamp": utcnow().isoformat().replace("+00:00", "Z"),
-            "defaultUser": DEFAULT_USER,
+            "defaultUser": SANDBOX_USER,
             "defaultWorkdir": DEFAULT_WORKDIR,
         }
         headers = {}

@@ -184,6 +184,16 @@ def failure(exc: BaseException, what: str) -> BaseException:
     return exc  # cancellation and interpreter exits pass as they are
 
 
+def _created_message(rec: SandboxRecord) -> str:
+    if rec.origin == "boot":
+        return "sandbox created"
+    if rec.origin == "warm_pool":
+        return "sandbox created from the warm pool"
+    if rec.origin == "template":
+        return f"sandbox created from its template's snapshot {rec.restored_from}"
+    return f"sandbox restored from {rec.restored_from}"
+
+
 def raise_failure(exc: BaseException, what: str) -> NoReturn:
     err = failure(exc, what)
     if err is exc:
@@ -421,7 +431,7 @@ class Orchestrator:
                 await self.logs.event(rec.sandbox_id, "error", f"sandbox creation failed: {exc}")
                 raise_failure(exc, "sandbox creation" if isinstance(source, Boot) else "sandbox restore")
         await self.logs.event(
-            rec.sandbox_id, "info", f"sandbox created ({rec.origin})", runtime=runtime.name,
+            rec.sandbox_id, "info", _created_message(rec), runtime=runtime.name,
             template=rec.template_id, up_ms=str(round((up - started) * 1000)),
             init_ms=str(elapsed_ms(up)),
         )
@@ -762,7 +772,10 @@ class Orchestrator:
         try:
             await self._restore_in_place(rec, row)
         except Exception as exc:
-            await self._destroy(rec, reason=f"restoring the parent after its fork failed: {exc}")
+            # The children must still be awaited: a parent whose clean-up failed stays "killing"
+            # (logged) and the next start-up retries it.
+            with contextlib.suppress(Failed):
+                await self._destroy(rec, reason=f"restoring the parent after its fork failed: {exc}")
             return
         await self.store.save(rec)
         self._attach(rec)

@@ -267,7 +267,8 @@ class _RestoreQueue:
             if any(e is entry for e in self._pending):  # not started: drop it
                 self._pending = [e for e in self._pending if e is not entry]
             elif not entry[1].done():
-                # Running: wait, so that the caller's cleanup sees what it changed.
+                # Running: wait, so that the caller's cleanup sees what it changed. How it went
+                # does not matter any more: the caller is cancelled and cleans up either way.
                 with contextlib.suppress(Exception):
                     await entry[1]
             raise

@@ -13,10 +13,12 @@ import shutil
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.runtime.base import Runtime, RuntimeError_
+from agentenv.errors import Invalid
+from agentenv.runtime.base import Runtime
+from agentenv.types import RUNTIME_NAMES, RuntimeName
 
 #: name -> "module:ClassName"
-_RUNTIMES: dict[str, str] = {
+_RUNTIMES: dict[RuntimeName, str] = {
     "gvisor": "agentenv.runtime.gvisor.runtime:GvisorRuntime",
     "qemu": "agentenv.runtime.qemu.runtime:QemuRuntime",
     "firecracker": "agentenv.runtime.firecracker.runtime:FirecrackerRuntime",
@@ -27,26 +29,24 @@ KVM_GET_API_VERSION = 0xAE00
 KVM_API_VERSION = 12
 
 
-def runtime_names() -> list[str]:
-    return list(_RUNTIMES)
+def runtime_names() -> list[RuntimeName]:
+    return list(RUNTIME_NAMES)
 
 
-def _runtime_class(name: str) -> type[Runtime]:
+def _runtime_class(name: RuntimeName) -> type[Runtime]:
     try:
         target = _RUNTIMES[name]
     except KeyError:
-        raise RuntimeError_(
-            f"unknown runtime {name!r}; expected one of {', '.join(_RUNTIMES)} or 'auto'", code=400
-        ) from None
+        raise Invalid(f"unknown runtime {name!r}; expected one of {', '.join(_RUNTIMES)} or 'auto'") from None
     module_name, class_name = target.split(":")
     cls: type[Runtime] = getattr(importlib.import_module(module_name), class_name)
     return cls
 
 
-def get_runtime(name: str, settings: Settings) -> Runtime:
-    """An instance of the runtime called ``name`` (no availability check: see ``probe``)."""
-    cls = _runtime_class(name)
-    return cls(settings)  # type: ignore[call-arg]  # every concrete runtime takes the settings
+def get_runtime(name: RuntimeName, settings: Settings) -> Runtime:
+    """An instance of the runtime called ``name``, built with ``settings`` (no availability
+    check: see ``probe``). A name that is no runtime is ``Invalid``."""
+    return _runtime_class(name)(settings)
 
 
 def kvm_unusable_reason(device: str = "/dev/kvm", *, pvm: bool = False) -> str | None:
@@ -67,7 +67,7 @@ def kvm_unusable_reason(device: str = "/dev/kvm", *, pvm: bool = False) -> str |
         if pvm_host_available():
             return (
                 f"{device} works but the CPU has no vmx/svm: only PVM guests can run "
-                "(set AGENTENV_FIRECRACKER_PVM=1 with a PVM firecracker and guest kernel)"
+                "(set AGENTENV_FIRECRACKER__PVM=1 with a PVM firecracker and guest kernel)"
             )
         return f"{device} works but the CPU has no vmx/svm flag, so KVM cannot boot guests"
     return None
@@ -108,15 +108,13 @@ def pvm_host_available() -> bool:
 
 
 def firecracker_unusable_reason(settings: Settings) -> str | None:
-    from agentenv.runtime.firecracker.config import FirecrackerSettings
-
-    fc = FirecrackerSettings()
-    binary = fc.pvm_binary if fc.pvm else settings.firecracker_path
+    """None when the firecracker runtime can run with ``settings.firecracker``, else why not."""
+    fc = settings.firecracker
     problems = []
-    if shutil.which(binary) is None:
-        problems.append(f"firecracker binary {binary!r} not found")
+    if shutil.which(fc.binary) is None:
+        problems.append(f"firecracker binary {fc.binary!r} not found")
     if fc.pvm and (fc.pvm_kernel is None or not fc.pvm_kernel.is_file()):
-        problems.append("PVM mode needs AGENTENV_FIRECRACKER_PVM_KERNEL, an existing PVM guest vmlinux")
+        problems.append("PVM mode needs AGENTENV_FIRECRACKER__PVM_KERNEL, an existing PVM guest vmlinux")
     kvm_reason = kvm_unusable_reason(pvm=fc.pvm)
     if kvm_reason is not None:
         problems.append(kvm_reason)
@@ -125,7 +123,7 @@ def firecracker_unusable_reason(settings: Settings) -> str | None:
 
 
 def select_runtime(
-    settings: Settings, template_override: str | None = None
+    settings: Settings, template_override: RuntimeName | None = None
 ) -> tuple[Runtime, dict[str, str]]:
     """The runtime to use, plus per runtime not chosen the reason why (for the start-up log).
 

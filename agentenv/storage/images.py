@@ -38,12 +38,15 @@ import stat
 import struct
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv.errors import Failed, Gone
+from agentenv.storage.atomic import publish
 from agentenv.storage.envd_bundle import MOUNT_POINT, build_envd_bundle, envd_argv, envd_env
+from agentenv.storage.reflink import ReflinkPool
 
 #: Bump when the layout or the init script changes in a way the hashed inputs do not show.
 IMAGE_FORMAT = 1
@@ -59,8 +62,8 @@ DRIVE_SERIALS = ("base", "upper", "envd")
 DEFAULT_UPPER_MB = 4096
 
 
-class ImageError(Exception):
-    pass
+class ImageError(Failed):
+    """A guest artifact could not be built."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class GuestImages:
     def from_json(cls, data: dict[str, str]) -> GuestImages:
         missing = [k for k in ("vmlinux", "initramfs", "base", "envd") if not Path(data[k]).exists()]
         if missing:
-            raise ImageError(f"guest artifacts of this snapshot are gone: {', '.join(missing)}")
+            raise Gone(f"guest artifacts of this snapshot are gone: {', '.join(missing)}")
         kernel = GuestKernel(Path(data["vmlinux"]), Path(data["initramfs"]), data["release"])
         return cls(kernel, Path(data["base"]), Path(data["envd"]), Path(data["upper_template"]))
 
@@ -182,7 +185,7 @@ def download_kernel_package(settings: Settings) -> Path:
             if not got:
                 raise ImageError(f"apt-get download {package} produced no .deb")
             final = debs / got[0].name
-            os.rename(got[0], final)
+            publish(got[0], final)
             return final
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -388,7 +391,7 @@ def build_kernel(settings: Settings) -> GuestKernel:
         try:
             _assemble_kernel(tmp, deb, modules, script)
             tmp.chmod(0o755)
-            os.rename(tmp, final)
+            publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -454,7 +457,8 @@ def make_ext4_from_dir(source: Path, dest: Path, *, label: str, extra_mb: int = 
     return dest
 
 
-def _build_cached(directory: Path, name: str, builder: object) -> Path:
+def _build_cached(directory: Path, name: str, builder: Callable[[Path], object]) -> Path:
+    """``directory/name``, built by ``builder(tmp)`` and published once, unless it is there."""
     final = directory / name
     if final.exists():
         return final
@@ -463,8 +467,10 @@ def _build_cached(directory: Path, name: str, builder: object) -> Path:
             return final
         tmp = directory / f".{name}.tmp"
         try:
-            builder(tmp)  # type: ignore[operator]
-            os.rename(tmp, final)
+            builder(tmp)
+            # Durable before it has its name: a cached artifact is never rebuilt, so a torn
+            # one after a crash would stay broken.
+            publish(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -495,8 +501,6 @@ def build_upper_template(settings: Settings, size_mb: int = DEFAULT_UPPER_MB) ->
     """An empty, sparse ext4 of ``size_mb``: per-sandbox upper drives are reflink clones of it.
 
     Lives in the reflink pool so that clones share its blocks."""
-    from agentenv.storage.reflink import ReflinkPool
-
     directory = ReflinkPool(settings.data_dir).ensure() / "templates"
     directory.mkdir(parents=True, exist_ok=True)
 
@@ -525,8 +529,6 @@ def build_guest_images(
 
 def create_upper_drive(settings: Settings, images: GuestImages, dest: Path) -> Path:
     """A sandbox's private writable drive: a reflink clone of the empty upper template."""
-    from agentenv.storage.reflink import ReflinkPool
-
     pool = ReflinkPool(settings.data_dir)
     pool.ensure()
     return pool.clone(images.upper_template, dest)

@@ -492,10 +492,9 @@ def _copy_range(fin: int, fout: int, start: int, end: int) -> None:
 # ---------------------------------------------------------------------------------------- mount
 
 
-def overlay_mount(
-    target: Path, lowers: list[Path], upper: Path | None, work: Path | None, *, readonly: bool = False
-) -> None:
-    """Mount an overlay of ``lowers`` (newest first) and, unless None, ``upper``/``work`` on ``target``.
+def overlay_mount(target: Path, lowers: list[Path], upper: Path | None, work: Path | None) -> None:
+    """Mount an overlay of ``lowers`` (newest first) and, unless None (a read-only view),
+    ``upper``/``work`` on ``target``.
 
     The option string must fit one page (mount(2) truncates the rest without an error), so lowers
     are passed relative to the directory most of them share, with ``mount`` running there: a
@@ -514,7 +513,7 @@ def overlay_mount(
         _mount(["--bind", "-o", "ro", str(absolute[0]), str(target)], cwd=None)
         return
     cwd, lowerdir = _lowerdir(absolute)
-    options = _options(lowerdir, upper, work, readonly)
+    options = _options(lowerdir, upper, work)
     _mount(["-t", "overlay", "overlay", "-o", options, str(target)], cwd=cwd)
 
 
@@ -527,9 +526,8 @@ def _lowerdir(lowers: list[Path]) -> tuple[Path, str]:
     return cwd, ":".join(parts)
 
 
-def _options(lowerdir: str, upper: Path | None, work: Path | None, readonly: bool) -> str:
-    opts = ["ro"] if readonly else []
-    opts.append(f"lowerdir={lowerdir}")
+def _options(lowerdir: str, upper: Path | None, work: Path | None) -> str:
+    opts = [f"lowerdir={lowerdir}"]
     if upper is not None and work is not None:
         for path in (upper, work):
             _check_option_path(path, str(path))

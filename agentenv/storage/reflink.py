@@ -18,14 +18,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.errors import Failed
+
 #: ``_IOW(0x94, 9, int)`` from linux/fs.h.
 FICLONE = 0x40049409
 #: The pool file is sparse: this is a ceiling, not an allocation.
 DEFAULT_POOL_SIZE = 256 << 30
 
 
-class ReflinkError(Exception):
-    pass
+class ReflinkError(Failed):
+    """A clone, or setting up or removing the pool, failed."""
 
 
 def clone_file(src: Path, dst: Path) -> None:
@@ -84,10 +86,6 @@ class ReflinkPool:
     @property
     def pool_file(self) -> Path:
         return self.data_dir / "layers.xfs"
-
-    @property
-    def uses_pool_file(self) -> bool:
-        return self.pool_file.exists()
 
     def ensure(self) -> Path:
         """Make ``root`` reflink-capable (mounting or creating the pool if needed); return it."""

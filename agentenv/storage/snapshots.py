@@ -1,9 +1,10 @@
 """Snapshots on disk: ``{data_dir}/snapshots/<snapshot_id>/`` plus a row in the registry.
 
-Crash safety: a snapshot is written into ``snapshots/.tmp-<snapshot_id>-<pid>/`` and committed by
-``os.rename`` to its final name, then recorded in the ``snapshots`` table. A crash before the
-rename leaves only a ``.tmp-*`` directory (removed on start-up, :func:`sweep_incomplete`); a crash
-between rename and row leaves a directory without row (also swept). A committed snapshot is never
+Crash safety: a snapshot is written into ``snapshots/.tmp-<snapshot_id>-<pid>/``, committed by a
+durable rename to its final name (:func:`agentenv.storage.atomic.publish`), then recorded in the
+``snapshots`` table. A crash before the rename leaves only a ``.tmp-*`` directory (removed on
+start-up, :meth:`SnapshotStore.sweep_incomplete`); a crash between rename and row leaves a
+directory without row (also swept). A committed snapshot is never
 touched by either. Deleting a snapshot only removes its own directory (memory image and meta);
 the disk layers it names are shared with its descendants and freed by the runtime's
 ``collect_garbage`` once nothing names them, so descendants never break.
@@ -18,10 +19,11 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiosqlite
 
+from agentenv.storage.atomic import publish
 from agentenv.types import SnapshotRef
 
 SCHEMA = """
@@ -43,14 +45,14 @@ CREATE INDEX IF NOT EXISTS snapshots_source ON snapshots(source_sandbox_id);
 #: ``snapshot``: a user snapshot (a template sandboxes are created from); ``fork``: a fork's one
 #: checkpoint (deleted when its request ends); ``template``: a template's booted state, which
 #: creates from the template restore.
-KINDS = ("pause", "snapshot", "fork", "template")
+SnapshotKind = Literal["pause", "snapshot", "fork", "template"]
 TMP_PREFIX = ".tmp-"
 
 
 @dataclass
 class SnapshotRow:
     snapshot_id: str
-    kind: str
+    kind: SnapshotKind
     source_sandbox_id: str
     runtime: str
     template_id: str
@@ -78,19 +80,9 @@ def final_path(data_dir: Path, snapshot_id: str) -> Path:
 
 
 def commit_dir(data_dir: Path, temp: SnapshotRef) -> SnapshotRef:
-    """Atomically publish a finished temp snapshot under its final name (fsync'd first)."""
+    """Atomically and durably publish a finished temp snapshot under its final name."""
     final = final_path(data_dir, temp.snapshot_id)
-    fd = os.open(temp.path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(temp.path, final)
-    dfd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    publish(temp.path, final)
     return SnapshotRef(snapshot_id=temp.snapshot_id, path=final, parent=temp.parent)
 
 
@@ -153,8 +145,11 @@ class SnapshotStore:
             row = _row(r) if r else None
         return row
 
-    async def rows(self, *, kind: str | None = None, source: str | None = None) -> list[SnapshotRow]:
-        sql, params = "SELECT * FROM snapshots WHERE 1=1", []
+    async def rows(
+        self, *, kind: SnapshotKind | None = None, source: str | None = None
+    ) -> list[SnapshotRow]:
+        sql = "SELECT * FROM snapshots WHERE 1=1"
+        params: list[str] = []
         if kind:
             sql += " AND kind = ?"
             params.append(kind)

@@ -1,6 +1,6 @@
 """Template root file systems, built once with debootstrap and shared read-only by sandboxes.
 
-Layout under ``{data_dir}/templates/<template_id>/``::
+Layout under ``settings.templates_dir`` (``{data_dir}/templates`` unless set), per template::
 
     rootfs/         the finished tree (never modified after the build)
     template.json   id and default limits (vcpus, memory, disk), build time
@@ -28,10 +28,10 @@ from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.errors import AgentenvError, Failed, Invalid, NotFound
-from agentenv.types import TemplateImage
+from agentenv.storage.atomic import write_atomic, write_json_atomic
+from agentenv.types import SANDBOX_USER, TemplateImage
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
-SANDBOX_USER = "user"
 SANDBOX_UID = 1000
 COMPLETE_MARKER = ".complete"
 METADATA_FILE = "template.json"
@@ -79,14 +79,10 @@ RECIPES: dict[str, TemplateRecipe] = {
 }
 
 
-def templates_dir(settings: Settings) -> Path:
-    return settings.templates_dir
-
-
 def template_dir(template_id: str, settings: Settings) -> Path:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", template_id):
         raise InvalidTemplateId(f"invalid template id {template_id!r}")
-    return templates_dir(settings) / template_id
+    return settings.templates_dir / template_id
 
 
 def is_built(template_id: str, settings: Settings) -> bool:
@@ -114,7 +110,7 @@ def load_template(template_id: str, settings: Settings) -> TemplateImage:
 
 def list_templates(settings: Settings) -> list[dict[str, object]]:
     """Metadata of every completely built template, sorted by id."""
-    root = templates_dir(settings)
+    root = settings.templates_dir
     if not root.is_dir():
         return []
     found = []
@@ -159,8 +155,8 @@ def _build_lock(tdir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _run(cmd: list[str], **kwargs: object) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise TemplateBuildFailed(f"{cmd[0]} failed (exit {proc.returncode}): {tail}")
@@ -275,18 +271,17 @@ def build_template(template_id: str, settings: Settings, *, force: bool = False)
         if (tdir / "rootfs").exists():
             _retire(tdir / "rootfs")
         os.rename(partial, tdir / "rootfs")
+        created_at = _dt.datetime.now(_dt.UTC).isoformat()
         meta = {
             "template_id": template_id,
             "vcpus": recipe.vcpus,
             "memory_mb": recipe.memory_mb,
             "disk_mb": recipe.disk_mb,
-            "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            "created_at": created_at,
             "build_seconds": round(time.monotonic() - started, 1),
             "kind": recipe.kind,
             "suite": recipe.suite,
         }
-        tmp_meta = tdir / (METADATA_FILE + ".tmp")
-        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
-        os.rename(tmp_meta, tdir / METADATA_FILE)
-        (tdir / COMPLETE_MARKER).write_text(meta["created_at"] + "\n")  # type: ignore[operator]
+        write_json_atomic(tdir / METADATA_FILE, meta, indent=2)
+        write_atomic(tdir / COMPLETE_MARKER, created_at + "\n")
         return load_template(template_id, settings)

@@ -32,7 +32,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import pytest_asyncio
@@ -44,7 +44,7 @@ from tests.support.server import ServerProcess, serve
 if TYPE_CHECKING:
     from agentenv.config import Settings
     from agentenv.runtime.base import Runtime
-    from agentenv.types import SandboxInstance, TemplateImage
+    from agentenv.types import RuntimeName, SandboxInstance, TemplateImage
 
 RuntimeFactory = Callable[[str], "Runtime"]
 SandboxFactory = Callable[..., Awaitable["SandboxInstance"]]
@@ -59,10 +59,12 @@ def agentenv_data_dir() -> Iterator[Path]:
 
     path = Path(tempfile.mkdtemp(prefix="aet-", dir="/tmp"))
     yield path
-    leaked = _cleanup_runtimes(Settings(data_dir=path, templates_path=SHARED_TEMPLATES))
-    mounted = mounts_under(path)
-    if not mounted:  # never rm -rf through a live mount
-        shutil.rmtree(path, ignore_errors=True)
+    try:
+        leaked = _cleanup_runtimes(Settings(data_dir=path, templates_path=SHARED_TEMPLATES))
+    finally:
+        mounted = mounts_under(path)
+        if not mounted:  # never rm -rf through a live mount
+            shutil.rmtree(path, ignore_errors=True)
     assert not leaked, f"sandboxes left running by tests (now removed): {leaked}"
     assert not mounted, f"mounts left under {path}: {mounted}"
 
@@ -77,7 +79,7 @@ def _cleanup_runtimes(settings: Settings) -> list[str]:
             runtime = get_runtime(name, settings)
         except ImportError:  # runtime not written (yet)
             continue
-        if type(runtime).probe() is None:
+        if runtime.probe() is None:
             leaked += asyncio.run(runtime.cleanup_orphans(set()))
     return leaked
 
@@ -110,8 +112,8 @@ def runtime_factory(agentenv_settings: Settings) -> RuntimeFactory:
     from agentenv.runtime.registry import get_runtime
 
     def make(name: str) -> Runtime:
-        runtime = get_runtime(name, agentenv_settings)
-        reason = type(runtime).probe()
+        runtime = get_runtime(cast("RuntimeName", name), agentenv_settings)
+        reason = runtime.probe()
         if reason is not None:
             pytest.skip(f"runtime {name} cannot run here: {reason}")
         return runtime

@@ -23,11 +23,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from agentenv.types import ENVD_PORT
 from agentenv.config import Settings
 from agentenv.errors import Failed, NotSupported
 from agentenv.runtime.base import Runtime
-from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
+from agentenv.types import ENVD_PORT, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 
 
 @dataclass

@@ -513,6 +513,87 @@ def test_watch_errors(sbx: Sandbox, workdir: str) -> None:
         sbx.files.watch_dir(f"{workdir}/file")
 
 
+@contextlib.contextmanager
+def _inotify_queue_limit(events: int) -> Iterator[None]:
+    """Inotify instances created inside (the kernel reads the limit at inotify_init) queue at most
+    ``events`` unread events; the host's limit is back once the watcher exists."""
+    knob = Path("/proc/sys/fs/inotify/max_queued_events")
+    before = knob.read_text()
+    knob.write_text(str(events))
+    try:
+        yield
+    finally:
+        knob.write_text(before)
+
+
+@contextlib.contextmanager
+def _frozen(envd: Envd) -> Iterator[None]:
+    """envd does not run inside, so the kernel queues the events its watchers would have read."""
+    envd.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        envd.proc.send_signal(signal.SIGCONT)
+
+
+def _create_files(directory: str, count: int) -> None:
+    for i in range(count):  # distinct names: the kernel coalesces only identical events
+        Path(f"{directory}/f{i}").touch()
+
+
+def test_polled_watcher_that_lost_events_fails(envd: Envd, sbx: Sandbox, workdir: str) -> None:
+    """The kernel's queue overflows while envd does not read it: GetWatcherEvents fails from then
+    on, as E2B's envd answers fsnotify's ErrEventOverflow, instead of handing out what was left."""
+    with _inotify_queue_limit(64):
+        handle = sbx.files.watch_dir(workdir)
+    try:
+        with _frozen(envd):
+            _create_files(workdir, 500)
+
+        def failed() -> bool:
+            try:
+                handle.get_new_events()
+            except SandboxException as exc:
+                assert "queue or buffer overflow" in str(exc)
+                return True
+            return False
+
+        _wait_for(failed)
+        with pytest.raises(SandboxException, match="queue or buffer overflow"):
+            handle.get_new_events()  # until the watcher is removed
+    finally:
+        handle.stop()
+
+
+def test_watch_dir_stream_that_lost_events_ends_with_the_error(envd: Envd, workdir: str) -> None:
+    client = filesystem_connect.FilesystemClientSync(envd.url, codec=ENVD_JSON_CODEC)
+    with _inotify_queue_limit(64):
+        stream = as_stream(
+            client.watch_dir(
+                filesystem_pb.WatchDirRequest(path=workdir),
+                headers={"Keepalive-Ping-Interval": "1"},
+                timeout_ms=20_000,
+            )
+        )
+        first = next(stream)  # sent once the watcher exists
+    try:
+        assert first.event is not None and first.event.field == "start"
+        with _frozen(envd):
+            _create_files(workdir, 500)
+        delivered = 0
+        with pytest.raises(ConnectError) as info:
+            for message in stream:
+                assert message.event is not None
+                if message.event.field == "keepalive":
+                    break  # quiet after the events: the loss went unreported
+                delivered += 1
+        assert info.value.code == Code.INTERNAL
+        assert info.value.message == "watcher error: fsnotify: queue or buffer overflow"
+        assert delivered <= 64  # what the kernel had queued before the loss, then the error
+    finally:
+        stream.close()
+
+
 # --- wire-level checks ---------------------------------------------------------------------------
 def test_binary_proto_codec(envd: Envd) -> None:
     client = process_connect.ProcessClientSync(envd.url, codec=proto_binary_codec())
@@ -964,13 +1045,27 @@ def test_running_envd_maps_no_unused_libraries(envd: Envd) -> None:
     assert done.stdout.strip() == "[]"
 
 
-def test_envd_version_matches_the_control_plane() -> None:
-    from agentenv.config import ENVD_PORT as CONFIG_PORT
-    from agentenv.config import ENVD_VERSION as CONFIG_VERSION
-    from agentenv.envd import settings
+def test_envd_reports_the_version_of_the_contract() -> None:
+    from agentenv import types
 
-    assert (settings.ENVD_VERSION, settings.ENVD_PORT) == (CONFIG_VERSION, CONFIG_PORT)
-    assert Version(settings.ENVD_VERSION) == ENVD_VERSION  # what these tests tell the SDK
+    done = subprocess.run(
+        [sys.executable, "-m", "agentenv.envd", "--version"], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == types.ENVD_VERSION
+    assert Version(types.ENVD_VERSION) == ENVD_VERSION  # what these tests tell the SDK
+
+
+def test_bundle_ships_what_envd_imports_of_the_project() -> None:
+    """envd imports agentenv.types and agentenv.errors: the bundle ships (and hashes) them, and
+    refuses to build when envd imports a project module it does not ship."""
+    from agentenv.storage import envd_bundle
+
+    package = envd_bundle.envd_source_dir().parent
+    shipped = {str(path.relative_to(package)) for path in envd_bundle._bundled_sources()}
+    assert {"__init__.py", "types.py", "errors.py", "envd/server.py"} <= shipped
+    envd_bundle._check_project_imports([package / "types.py", package / "envd" / "app.py"])
+    with pytest.raises(envd_bundle.BundleError, match=r"config\.py"):
+        envd_bundle._check_project_imports([package / "config.py"])
 
 
 def test_aborted_upload_leaves_no_partial_file(envd: Envd, workdir: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -13,15 +12,10 @@ from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from agentenv.runtime.base import RuntimeError_
+from agentenv.errors import Failed
+from agentenv.runtime.gvisor import cgroups
+from agentenv.runtime.gvisor.runtime import GvisorRuntime
 from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
-from agentenv.runtime.gvisor.runtime import (
-    GvisorRuntime,
-    cgroup_exists,
-    container_id,
-    runsc_processes,
-)
-from agentenv.runtime.network import netns_name
 from tests.support import leaks, unique_id
 from tests.support.fixtures import RuntimeFactory, SandboxFactory
 
@@ -71,28 +65,28 @@ async def run(instance: SandboxInstance, cmd: str, user: str = "root", limit: fl
 def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
     """Every host resource of the sandbox that still exists (empty when it is fully gone)."""
     mounts = leaks.mounts_naming(sandbox_id)
+    paths = runtime.paths(sandbox_id)
+    runsc_root = runtime.runsc.root
     found: dict[str, object] = {
-        "processes": runsc_processes(
-            container_id(sandbox_id), runtime.runsc_root, runtime.paths(sandbox_id).root
-        ),
+        "processes": runtime.runsc.processes(paths),
         "mounts": mounts,
         "netns": leaks.netns_exists(sandbox_id),
-        "cgroups": cgroup_exists(sandbox_id),
-        "dir": runtime.paths(sandbox_id).root.exists(),
-        "runsc_state": (runtime.runsc_root / container_id(sandbox_id)).exists()
-        or any(p.name.startswith(container_id(sandbox_id)) for p in runtime.runsc_root.glob("*")),
+        "cgroups": cgroups.existing(sandbox_id),
+        "dir": paths.root.exists(),
+        "runsc_state": (runsc_root / paths.container_id).exists()
+        or any(p.name.startswith(paths.container_id) for p in runsc_root.glob("*")),
     }
     return {k: v for k, v in found.items() if v}
 
 
 async def test_probe_and_platform(gvisor: GvisorRuntime) -> None:
-    assert GvisorRuntime.probe() is None
+    assert gvisor.probe() is None
     # kvm only where /dev/kvm can run hardware-virtualised guests; this check must agree.
     from agentenv.runtime.registry import kvm_unusable_reason
 
-    assert gvisor.platform() in ("kvm", "ptrace")
+    assert gvisor.runsc.platform() in ("kvm", "ptrace")
     if kvm_unusable_reason() is not None:
-        assert gvisor.platform() == "ptrace"
+        assert gvisor.runsc.platform() == "ptrace"
 
 
 async def test_create_health_command_kill(
@@ -170,7 +164,7 @@ async def test_failed_create_cleans_up(gvisor: GvisorRuntime, tmp_path: Path) ->
     was set up: a clear error naming the sandbox, and nothing left behind."""
     broken = TemplateImage(template_id="broken", rootfs=tmp_path / "missing-rootfs")
     sandbox_id = unique_id("bad")
-    with pytest.raises(RuntimeError_) as err:
+    with pytest.raises(Failed) as err:
         instance = await gvisor.create(SandboxSpec(sandbox_id=sandbox_id, template=broken))
         await gvisor.kill(instance)
     assert sandbox_id in err.value.message and "root file system" in err.value.message
@@ -187,7 +181,7 @@ async def test_envd_that_never_answers_times_out(
     monkeypatch.setattr(gv, "ENVD_START_TIMEOUT", 3.0)
     sandbox_id = unique_id("slow")
     started = time.monotonic()
-    with pytest.raises(RuntimeError_, match="did not answer"):
+    with pytest.raises(Failed, match="did not answer"):
         await gvisor.create(SandboxSpec(sandbox_id=sandbox_id, template=base_template))
     assert time.monotonic() - started < 30
     assert leftovers(gvisor, sandbox_id) == {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -17,7 +16,6 @@ from e2b.envd.client_shared import ENVD_JSON_CODEC
 from e2b.envd.process import process_connect, process_pb
 
 from agentenv.config import Settings
-from agentenv.types import SandboxInstance
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
 from agentenv.storage.envd_bundle import (
     LOADER_NAME,
@@ -28,6 +26,7 @@ from agentenv.storage.envd_bundle import (
     envd_env,
 )
 from agentenv.storage.templates import build_template
+from agentenv.types import SandboxInstance
 from tests.support import SHARED_TEMPLATES
 from tests.support.fixtures import RuntimeFactory, SandboxFactory
 

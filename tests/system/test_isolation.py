@@ -8,7 +8,6 @@ no packet leaves the machine.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import socket
 import subprocess
@@ -23,8 +22,8 @@ import pytest
 import pytest_asyncio
 
 from agentenv.config import Settings
-from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
+from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
 from tests.support import SHARED_TEMPLATES, unique_id
 from tests.system.test_gvisor import leftovers, run
 
@@ -49,10 +48,11 @@ def iso_settings() -> Iterator[Settings]:
 
 @pytest.fixture(scope="module")
 def gvisor(iso_settings: Settings) -> GvisorRuntime:
-    reason = GvisorRuntime.probe()
+    runtime = GvisorRuntime(iso_settings)
+    reason = runtime.probe()
     if reason:
         pytest.skip(reason)
-    return GvisorRuntime(iso_settings)
+    return runtime
 
 
 @dataclass

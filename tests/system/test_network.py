@@ -7,7 +7,6 @@ which is what a microVM runtime's tap and gVisor's netstack both sit behind.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from agentenv.config import Settings
+from agentenv.errors import Invalid
 from agentenv.runtime import network
 from agentenv.runtime.network import NetworkError, SandboxNetwork
 from tests.support import unique_id
@@ -190,7 +190,7 @@ async def test_concurrent_setups_in_one_and_many_processes(
 
 
 async def test_invalid_sandbox_id(settings: Settings) -> None:
-    with pytest.raises(NetworkError, match="invalid sandbox id"):
+    with pytest.raises(Invalid, match="invalid sandbox id"):
         await network.setup_network(settings, "../x", allow_internet_access=False)
 
 

@@ -28,11 +28,10 @@ from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
 from agentenv.config import Settings
-from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
-from agentenv.runtime.network import netns_name
 from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
 from agentenv.storage import images
 from agentenv.storage.reflink import ReflinkPool
+from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import SHARED_TEMPLATES, leaks, unique_id
 from tests.support.counter import STATE_FILE, assert_state_continues, counter_command, read_counter
 from tests.support.server import ServerProcess, kill_all_sandboxes, start_server

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,6 +19,7 @@ from tests.support.counter import assert_counter_runs, assert_state_continues, s
 from tests.support.counter import read_counter as counter
 from tests.support.leaks import wait_no_host_resources
 from tests.support.server import ServerProcess, kill_all_sandboxes, serve, start_server
+
 
 @pytest.fixture()
 def parent(agentenv_server: ServerProcess) -> Iterator[Sandbox]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Settings
-from agentenv.types import TemplateImage
+from agentenv.errors import Invalid, NotFound
 from agentenv.storage.templates import (
     COMPLETE_MARKER,
     TemplateError,
@@ -22,6 +22,7 @@ from agentenv.storage.templates import (
     load_template,
     template_dir,
 )
+from agentenv.types import TemplateImage
 
 pytestmark = pytest.mark.requires_root("template builds (debootstrap, chroot)")
 
@@ -93,7 +94,7 @@ def test_busybox_template_build_atomic_and_concurrent(tmp_path: Path) -> None:
 
 def test_unknown_and_invalid_templates(tmp_path: Path) -> None:
     settings = isolated(tmp_path)
-    with pytest.raises(TemplateError, match="no build recipe"):
+    with pytest.raises(NotFound, match="no build recipe"):
         build_template("nosuch", settings)
-    with pytest.raises(TemplateError, match="invalid template id"):
+    with pytest.raises(Invalid, match="invalid template id"):
         build_template("../etc", settings)

@@ -21,8 +21,8 @@ import websockets
 
 from agentenv.api.app import create_app
 from agentenv.config import Settings
-from agentenv.types import ENVD_PORT
 from agentenv.orchestrator.ids import SANDBOX_ID_RE
+from agentenv.types import ENVD_PORT
 from tests.support import free_port
 from tests.support.loopback import LoopbackRuntime, write_template
 

@@ -6,27 +6,41 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import json
-import os
+import shutil
+import subprocess
+import tempfile
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+import pytest_asyncio
 import yaml
 
 from agentenv.config import Settings
-from agentenv.types import SandboxSpec, SnapshotRef, TemplateImage
+from agentenv.runtime import network
 from agentenv.runtime.firecracker import api
-from agentenv.runtime.firecracker.memory import data_ranges, merge_diff_memory
+from agentenv.runtime.firecracker.memory import apply_diff_memory, copy_cow, data_ranges
 from agentenv.runtime.firecracker.runtime import (
+    FcPaths,
     FirecrackerRuntime,
     boot_requests,
     fc_paths,
     restore_requests,
 )
+from agentenv.runtime.microvm import disks as microvm_disks
+from agentenv.runtime.microvm import runtime as microvm_runtime
+from agentenv.runtime.microvm import vmnet
+from agentenv.runtime.network import SandboxNetwork
+from agentenv.storage import atomic
 from agentenv.storage.images import GuestImages, GuestKernel
+from agentenv.storage.reflink import ReflinkPool
+from agentenv.types import SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import TESTS
 
 SCHEMA_FILE = TESTS / "data" / "firecracker" / "firecracker-api.yaml"
@@ -51,17 +65,21 @@ def spec_doc() -> dict[str, Any]:
 
 def _validate(doc: dict[str, Any], request: api.ApiRequest) -> None:
     """The body matches the schema of the operation at (method, path) in the published spec."""
-    template = next(
-        (p for p in doc["paths"] if _path_matches(p, request.path)), None
-    )
-    assert template is not None, f"{request.path} is not an operation of the Firecracker API"
-    operation = doc["paths"][template].get(request.method.lower())
-    assert operation is not None, f"{request.method} {template} is not in the Firecracker API"
-    body_params = [p for p in operation["parameters"] if p["in"] == "body"]
-    ref = body_params[0]["schema"]["$ref"]
+    ref = _validate_body(doc, request.method, request.path, request.body)
     assert ref == f"#/definitions/{request.schema}"
+
+
+def _validate_body(doc: dict[str, Any], method: str, path: str, body: Any) -> str:
+    """Check ``body`` against the operation at (method, path); return its definition's $ref."""
+    template = next((p for p in doc["paths"] if _path_matches(p, path)), None)
+    assert template is not None, f"{path} is not an operation of the Firecracker API"
+    operation = doc["paths"][template].get(method.lower())
+    assert operation is not None, f"{method} {template} is not in the Firecracker API"
+    body_params = [p for p in operation["parameters"] if p["in"] == "body"]
+    ref: str = body_params[0]["schema"]["$ref"]
     schema = {"$ref": ref, "definitions": _closed(doc["definitions"])}
-    jsonschema.Draft4Validator(schema).validate(request.body)
+    jsonschema.Draft4Validator(schema).validate(body)
+    return ref
 
 
 def _path_matches(template: str, path: str) -> bool:
@@ -173,7 +191,8 @@ def test_diff_memory_is_merged_onto_the_parent(tmp_path: Path) -> None:
     ranges = list(data_ranges(diff))
     assert ranges == [(3 * PAGE, PAGE), (40 * PAGE, 2 * PAGE)]
     out = tmp_path / "merged.mem"
-    written = merge_diff_memory(parent, diff, out)
+    copy_cow(parent, out)
+    written = apply_diff_memory(diff, out)
     assert written == 3 * PAGE
     data = out.read_bytes()
     assert len(data) == 64 * PAGE
@@ -231,3 +250,316 @@ def test_closed_schema_copy_does_not_mutate_the_document(spec_doc: dict[str, Any
     before = copy.deepcopy(spec_doc["definitions"])
     _closed(spec_doc["definitions"])
     assert spec_doc["definitions"] == before
+
+
+# -- the runtime's lifecycle against a fake VMM -----------------------------------------------------
+#
+# Firecracker is faked at its API socket: every request the runtime sends is checked against the
+# published schema (a 400 with a ``fault_message`` otherwise, as Firecracker answers), and snapshot
+# create and load write and read memory files as Firecracker does (Full: all of guest memory; Diff:
+# a sparse file of the pages dirtied since the last create or load, which resets the dirty log).
+# The VMM process is a ``sleep`` named like firecracker; the host network is recorded, not built.
+
+GUEST_PAGES = 16
+
+
+class FakeVmm:
+    """One fake Firecracker: its API socket, guest memory and dirty-page log."""
+
+    def __init__(self, doc: dict[str, Any], socket_path: Path) -> None:
+        self.doc = doc
+        self.socket_path = socket_path
+        self.memory = bytearray(GUEST_PAGES * PAGE)
+        self.dirty: set[int] = set()
+        self.requests: list[tuple[str, str, Any]] = []
+        self.paused = False
+        self.fail_next_create = False
+        self._server: asyncio.Server | None = None
+
+    def write_page(self, page: int, byte: bytes) -> None:
+        """The guest writes a page; KVM's dirty log records it."""
+        self.memory[page * PAGE : (page + 1) * PAGE] = byte * PAGE
+        self.dirty.add(page)
+
+    def sent(self, path: str) -> list[Any]:
+        return [body for _, p, body in self.requests if p == path]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._handle, path=str(self.socket_path))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                method, path, _ = lines[0].split(" ")
+                headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
+                length = int(headers.get("content-length", "0"))
+                body = json.loads(await reader.readexactly(length)) if length else None
+                status, payload = self._answer(method, path, body)
+                writer.write(
+                    f"HTTP/1.1 {status}\r\nContent-Length: {len(payload)}\r\n"
+                    "Content-Type: application/json\r\n\r\n".encode() + payload
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _answer(self, method: str, path: str, body: Any) -> tuple[str, bytes]:
+        if method == "GET":
+            return "200 OK", json.dumps({"state": "Paused" if self.paused else "Running"}).encode()
+        self.requests.append((method, path, body))
+        try:
+            _validate_body(self.doc, method, path, body)
+            self._act(path, body)
+        except (jsonschema.ValidationError, ValueError) as exc:
+            return "400 Bad Request", json.dumps({"fault_message": str(exc)}).encode()
+        return "204 No Content", b""
+
+    def _act(self, path: str, body: dict[str, Any]) -> None:
+        if path == "/vm":
+            self.paused = body["state"] == "Paused"
+        elif path == "/snapshot/create":
+            self._create(body)
+        elif path == "/snapshot/load":
+            self.memory = bytearray(Path(body["mem_backend"]["backend_path"]).read_bytes())
+            self.dirty.clear()
+            self.paused = not body.get("resume_vm", False)
+
+    def _create(self, body: dict[str, Any]) -> None:
+        if self.fail_next_create:
+            self.fail_next_create = False
+            raise ValueError("no space left on device")
+        if not self.paused:
+            raise ValueError("the microVM must be paused to create a snapshot")
+        Path(body["snapshot_path"]).write_bytes(b"vmstate")
+        with open(body["mem_file_path"], "wb") as f:
+            if body.get("snapshot_type") == "Diff":
+                f.truncate(len(self.memory))
+                for page in sorted(self.dirty):
+                    f.seek(page * PAGE)
+                    f.write(self.memory[page * PAGE : (page + 1) * PAGE])
+            else:
+                f.write(self.memory)
+        self.dirty.clear()
+
+
+@dataclass
+class FakeHost:
+    """What the runtime touched on the faked host."""
+
+    settings: Settings
+    vmms: dict[str, FakeVmm] = field(default_factory=dict)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    set_up: list[str] = field(default_factory=list)
+    torn_down: list[tuple[str, SandboxNetwork | None]] = field(default_factory=list)
+    live_networks: set[str] = field(default_factory=set)
+
+    def network_for(self, sandbox_id: str, allow_internet_access: bool) -> SandboxNetwork:
+        slot = len(self.set_up) + 1
+        self.set_up.append(sandbox_id)
+        self.live_networks.add(sandbox_id)
+        return SandboxNetwork(
+            sandbox_id=sandbox_id, netns=f"ae-{sandbox_id}", slot=slot, host_if=f"aeh{slot}",
+            sandbox_if=f"aes{slot}", host_ip=f"10.213.0.{4 * slot + 1}",
+            sandbox_ip=f"10.213.0.{4 * slot + 2}", allow_internet_access=allow_internet_access,
+        )
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def fake_host(spec_doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeHost]:
+    # Short: the API sockets live below it (108 bytes at most for a Unix socket path).
+    data_dir = Path(tempfile.mkdtemp(prefix="aefc-", dir="/tmp"))
+    host = FakeHost(Settings(data_dir=data_dir))
+    images = _images(data_dir)
+    for artifact in (images.kernel.vmlinux, images.kernel.initramfs, images.base, images.envd):
+        artifact.write_bytes(b"artifact")
+
+    async def setup_network(
+        settings: Settings, sandbox_id: str, *, allow_internet_access: bool
+    ) -> SandboxNetwork:
+        return host.network_for(sandbox_id, allow_internet_access)
+
+    async def teardown_network(
+        settings: Settings, sandbox_id: str, net: SandboxNetwork | None = None
+    ) -> None:
+        host.torn_down.append((sandbox_id, net))
+        host.live_networks.discard(sandbox_id)
+
+    async def add_tap(settings: Settings, net: SandboxNetwork) -> str:
+        return "tap0"
+
+    async def spawn(runtime: FirecrackerRuntime, net: SandboxNetwork, paths: FcPaths) -> int:
+        vmm = FakeVmm(spec_doc, paths.api_socket)
+        await vmm.start()
+        host.vmms[net.sandbox_id] = vmm
+        # argv[0] names firecracker and the sandbox directory, as the real VMM's command line does.
+        proc = subprocess.Popen(  # noqa: ASYNC220  # a sleep, started at once
+            [f"firecracker-fake {paths.root}", "600"], executable="/bin/sleep"
+        )
+        host.processes.append(proc)
+        return proc.pid
+
+    async def guest_images(cache: object, settings: Settings, tmpl: TemplateImage) -> GuestImages:
+        return images
+
+    def create_upper_drive(settings: Settings, images: GuestImages, dest: Path) -> Path:
+        dest.write_bytes(b"\0" * PAGE)
+        return dest
+
+    def clone(pool: ReflinkPool, src: Path, dst: Path) -> Path:
+        # A plain copy: FICLONE needs the loop-mounted XFS pool, which a unit test does not mount.
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        return dst
+
+    async def envd_answers(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    monkeypatch.setattr(network, "setup_network", setup_network)
+    monkeypatch.setattr(network, "teardown_network", teardown_network)
+    monkeypatch.setattr(vmnet, "add_tap", add_tap)
+    monkeypatch.setattr(microvm_runtime, "netns_exists", lambda net: net.sandbox_id in host.live_networks)
+    monkeypatch.setattr(microvm_runtime, "wait_for_envd", envd_answers)
+    monkeypatch.setattr(microvm_runtime.GuestImageCache, "get", guest_images)
+    monkeypatch.setattr(microvm_disks, "create_upper_drive", create_upper_drive)
+    monkeypatch.setattr(ReflinkPool, "clone", clone)
+    monkeypatch.setattr(FirecrackerRuntime, "_spawn", spawn)
+    yield host
+    for vmm in host.vmms.values():
+        await vmm.stop()
+    for proc in host.processes:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _spec(host: FakeHost, sandbox_id: str) -> SandboxSpec:
+    template = TemplateImage("base", host.settings.data_dir / "rootfs", vcpus=1, memory_mb=1)
+    return SandboxSpec(sandbox_id, template)
+
+
+def _snapshot(host: FakeHost, snapshot_id: str, parent: SnapshotRef | None = None) -> SnapshotRef:
+    return SnapshotRef(snapshot_id, host.settings.data_dir / "snapshots" / snapshot_id, parent=parent)
+
+
+async def test_pause_keeps_the_network_and_the_resume_takes_it_over(fake_host: FakeHost) -> None:
+    """A paused sandbox keeps its netns, tap and slot (a resume keeps its address); only the kill
+    frees them."""
+    runtime = FirecrackerRuntime(fake_host.settings)
+    spec = _spec(fake_host, "fcpause")
+    instance = await runtime.create(spec)
+    net = SandboxNetwork.from_state(instance.state["network"])
+    pause = _snapshot(fake_host, "pause1")
+    await runtime.snapshot(instance, pause, stop=True)
+
+    assert fake_host.torn_down == []
+    paths = fc_paths(fake_host.settings, spec.sandbox_id)
+    assert microvm_runtime.read_marker(paths) == {"paused": True, "network": net.to_state()}
+    assert not await runtime.is_alive(instance)
+    assert not paths.api_socket.exists() and not paths.layer_dir.exists()
+
+    resumed = await runtime.restore(spec, pause)
+    assert fake_host.set_up == [spec.sandbox_id]  # once, by the create
+    assert resumed.address == instance.address == net.sandbox_ip
+    assert resumed.envd_url == instance.envd_url
+    load = fake_host.vmms[spec.sandbox_id].sent("/snapshot/load")
+    assert [body["mem_backend"]["backend_path"] for body in load] == [str(pause.path / "memory.bin")]
+
+    await runtime.kill(resumed)
+    assert fake_host.torn_down == [(spec.sandbox_id, net)]
+    assert not paths.root.exists()
+
+
+async def test_a_snapshot_with_its_parent_is_a_diff_applied_onto_the_parent(
+    fake_host: FakeHost, spec_doc: dict[str, Any]
+) -> None:
+    """Diff when ``dest.parent`` is the snapshot the VM's dirty log runs from (the one it was
+    last snapshotted to or restored from): the request is a schema-valid ``Diff`` and the
+    snapshot's ``memory.bin`` is the parent's memory with the dirty pages applied; else Full."""
+    runtime = FirecrackerRuntime(fake_host.settings)
+    first = await runtime.create(_spec(fake_host, "fca"))
+    vmm = fake_host.vmms["fca"]
+    vmm.write_page(1, b"a")
+    vmm.write_page(2, b"a")
+    s1 = _snapshot(fake_host, "s1")
+    await runtime.snapshot(first, s1, stop=False)
+    vmm.write_page(5, b"b")
+    s2 = _snapshot(fake_host, "s2", parent=s1)
+    await runtime.snapshot(first, s2, stop=False)
+
+    creates = vmm.sent("/snapshot/create")
+    assert [body["snapshot_type"] for body in creates] == ["Full", "Diff"]
+    assert creates[1] == {"snapshot_path": str(s2.path / "vmstate.bin"),
+                          "mem_file_path": str(s2.path / "memory.diff"), "snapshot_type": "Diff"}
+    _validate(spec_doc, api.snapshot_create(Path(creates[1]["snapshot_path"]),
+                                            Path(creates[1]["mem_file_path"]), "Diff"))
+    assert (s2.path / "memory.bin").read_bytes() == bytes(vmm.memory)
+    assert not (s2.path / "memory.diff").exists()
+    assert json.loads((s2.path / "vm.json").read_text())["type"] == "Diff"
+    assert not vmm.paused
+
+    # A VM restored from s2 starts its dirty log there: its diff against s2 restores its memory.
+    second = await runtime.restore(_spec(fake_host, "fcb"), s2)
+    restored = fake_host.vmms["fcb"]
+    assert restored.memory == vmm.memory
+    restored.write_page(7, b"c")
+    s3 = _snapshot(fake_host, "s3", parent=s2)
+    await runtime.snapshot(second, s3, stop=False)
+    assert restored.sent("/snapshot/create")[0]["snapshot_type"] == "Diff"
+    assert (s3.path / "memory.bin").read_bytes() == bytes(restored.memory)
+
+    # s1 is no longer where the first VM's dirty log runs from (s2 is): a diff would lose page 5.
+    s4 = _snapshot(fake_host, "s4", parent=s1)
+    await runtime.snapshot(first, s4, stop=False)
+    assert vmm.sent("/snapshot/create")[-1]["snapshot_type"] == "Full"
+    assert (s4.path / "memory.bin").read_bytes() == bytes(vmm.memory)
+    for instance in (first, second):
+        await runtime.kill(instance)
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["snapshot", "pause"])
+async def test_a_failed_snapshot_leaves_the_vm_running_and_the_next_one_full(
+    fake_host: FakeHost, stop: bool
+) -> None:
+    runtime = FirecrackerRuntime(fake_host.settings)
+    instance = await runtime.create(_spec(fake_host, "fcf"))
+    vmm = fake_host.vmms["fcf"]
+    s1 = _snapshot(fake_host, "s1")
+    await runtime.snapshot(instance, s1, stop=False)
+    vmm.fail_next_create = True
+    with pytest.raises(api.FirecrackerApiError, match="no space left"):
+        await runtime.snapshot(instance, _snapshot(fake_host, "s2", parent=s1), stop=stop)
+    assert not vmm.paused and await runtime.is_alive(instance)
+    assert fake_host.torn_down == []
+    # The failed create may have reset the dirty log: s1 is no base for a diff any more.
+    await runtime.snapshot(instance, _snapshot(fake_host, "s3", parent=s1), stop=False)
+    assert vmm.sent("/snapshot/create")[-1]["snapshot_type"] == "Full"
+    await runtime.kill(instance)
+
+
+async def test_state_files_are_written_whole(fake_host: FakeHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker and vm.json are replaced in one step: a write that fails half-way (disk full
+    at the fsync) leaves the previous marker, which a kill then still finds the VM by."""
+    runtime = FirecrackerRuntime(fake_host.settings)
+    instance = await runtime.create(_spec(fake_host, "fcw"))
+    paths = fc_paths(fake_host.settings, "fcw")
+    before = paths.marker.read_text()
+
+    def disk_full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch, pytest.raises(OSError, match="No space left"):
+        patch.setattr(atomic.os, "fsync", disk_full)
+        await runtime.snapshot(instance, _snapshot(fake_host, "s1"), stop=False)
+    assert paths.marker.read_text() == before
+    assert [p.name for p in paths.root.iterdir() if p.name.endswith(".tmp")] == []
+    await runtime.kill(instance)
+    assert not await runtime.is_alive(instance) and not paths.root.exists()

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 
-from agentenv.config import Settings
-from agentenv.runtime.base import RuntimeError_
+from agentenv.config import QemuSettings, Settings
+from agentenv.errors import Invalid, http_status
+from agentenv.runtime.firecracker.runtime import FirecrackerRuntime
 from agentenv.runtime.registry import (
     cpu_has_hardware_virtualisation,
     firecracker_unusable_reason,
+    get_runtime,
     kvm_device_unusable_reason,
     runtime_names,
     select_runtime,
@@ -44,10 +47,20 @@ def test_explicit_runtime_and_template_override_win(tmp_path: Path) -> None:
     assert "template override" in reasons["qemu"]
 
 
-def test_unknown_runtime_is_a_400(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError_) as info:
-        select_runtime(Settings(data_dir=tmp_path, runtime="vmware"))
-    assert info.value.code == 400 and "vmware" in info.value.message
+def test_unknown_runtime_is_invalid(tmp_path: Path) -> None:
+    # Settings refuse the name already; a template's runtime field reaches get_runtime unchecked.
+    with pytest.raises(pydantic.ValidationError):
+        Settings(data_dir=tmp_path, runtime="vmware")  # type: ignore[arg-type]
+    with pytest.raises(Invalid) as info:
+        get_runtime("vmware", Settings(data_dir=tmp_path))  # type: ignore[arg-type]
+    assert http_status(info.value) == 400 and "vmware" in info.value.message
+
+
+def test_runtimes_use_the_settings_they_were_built_with(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-qemu")
+    settings = Settings(data_dir=tmp_path, qemu=QemuSettings(qemu_path=missing))
+    reason = get_runtime("qemu", settings).probe()
+    assert reason is not None and missing in reason
 
 
 def test_kvm_probe_reports_missing_device_and_cpu_flags(tmp_path: Path) -> None:
@@ -61,8 +74,11 @@ def test_kvm_probe_reports_missing_device_and_cpu_flags(tmp_path: Path) -> None:
 
 
 def test_firecracker_pvm_mode_needs_its_own_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTENV_FIRECRACKER_PVM", "1")
-    monkeypatch.setenv("AGENTENV_FIRECRACKER_PVM_BINARY", str(tmp_path / "no-such-firecracker-pvm"))
-    reason = firecracker_unusable_reason(Settings(data_dir=tmp_path))
+    monkeypatch.setenv("AGENTENV_FIRECRACKER__PVM", "1")
+    monkeypatch.setenv("AGENTENV_FIRECRACKER__PVM_BINARY", str(tmp_path / "no-such-firecracker-pvm"))
+    settings = Settings(data_dir=tmp_path)
+    assert settings.firecracker.binary == str(tmp_path / "no-such-firecracker-pvm")
+    reason = firecracker_unusable_reason(settings)
     assert reason is not None and "no-such-firecracker-pvm" in reason
-    assert "AGENTENV_FIRECRACKER_PVM_KERNEL" in reason
+    assert "AGENTENV_FIRECRACKER__PVM_KERNEL" in reason
+    assert FirecrackerRuntime(settings).probe() == reason

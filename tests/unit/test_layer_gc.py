@@ -8,15 +8,15 @@ import json
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.types import SnapshotRef
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
+from agentenv.types import SnapshotRef
 
 
 def make_layer(runtime: GvisorRuntime, tmp: Path, name: str) -> str:
     upper = runtime.settings.data_dir / f"upper-{name}"
     upper.mkdir(parents=True)
     (upper / name).write_text(name)
-    return runtime.layers.adopt(upper)
+    return runtime.disks.layers.adopt(upper)
 
 
 def write_snapshot(tmp: Path, snapshot_id: str, layers: list[str]) -> SnapshotRef:
@@ -43,11 +43,11 @@ async def test_layers_live_while_a_snapshot_or_sandbox_names_them(tmp_path: Path
         return [snap]
 
     assert await runtime.collect_garbage(live) == [loose]
-    assert runtime.layers.ids() == {base, mid, top}
+    assert runtime.disks.layers.ids() == {base, mid, top}
     # The sandbox goes: only the snapshot's chain stays.
     (runtime.paths("sbx1").layers_file).unlink()
     assert await runtime.collect_garbage(live) == [top]
-    assert runtime.layers.ids() == {base, mid}
+    assert runtime.disks.layers.ids() == {base, mid}
 
 
 async def test_a_snapshot_committed_while_a_collection_waits_is_not_missed(tmp_path: Path) -> None:
@@ -60,14 +60,14 @@ async def test_a_snapshot_committed_while_a_collection_waits_is_not_missed(tmp_p
     async def live() -> list[SnapshotRef]:
         return list(committed)
 
-    async with runtime.layer_lock:  # e.g. a restore mounting a chain
+    async with runtime.disks.lock:  # e.g. a restore mounting a chain
         collection = asyncio.create_task(runtime.collect_garbage(live))
         await asyncio.sleep(0.05)
         # Meanwhile the source's snapshot is committed and the source sandbox is killed.
         committed.append(write_snapshot(tmp_path, "snap2", [layer]))
         (sandbox_dir / "layers.json").unlink()
     assert await collection == []
-    assert runtime.layers.exists(layer)
+    assert runtime.disks.layers.exists(layer)
 
 
 def test_disk_used_counts_the_layers_under_the_upper(tmp_path: Path) -> None:
@@ -76,8 +76,8 @@ def test_disk_used_counts_the_layers_under_the_upper(tmp_path: Path) -> None:
     upper = runtime.settings.data_dir / "upper-big"
     upper.mkdir(parents=True)
     (upper / "big").write_bytes(b"x" * (1 << 20))
-    layer = runtime.layers.adopt(upper)
+    layer = runtime.disks.layers.adopt(upper)
     root = write_sandbox(runtime, "sbx", [layer])
     (root / "upper").mkdir()
     (root / "upper" / "small").write_bytes(b"y" * 4096)
-    assert runtime._disk_used("sbx") >= (1 << 20) + 4096
+    assert runtime.disks.used_bytes(runtime.paths("sbx")) >= (1 << 20) + 4096

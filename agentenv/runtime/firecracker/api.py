@@ -15,14 +15,15 @@ from typing import Any, Literal
 
 import httpx
 
-from agentenv.runtime.base import RuntimeError_
+from agentenv.errors import Failed
+from agentenv.runtime.microvm.host import Alive
 
 SnapshotType = Literal["Full", "Diff"]
 MemoryBackendType = Literal["File", "Uffd"]
 
 
-class FirecrackerApiError(RuntimeError_):
-    pass
+class FirecrackerApiError(Failed):
+    """The VMM answered a request with an error, or its API socket did not answer."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class FirecrackerClient:
             timeout=timeout,
         )
 
-    async def wait_ready(self, within: float, alive: Any = None) -> None:
+    async def wait_ready(self, within: float, alive: Alive | None = None) -> None:
         """Wait until the API socket answers (the VMM creates it shortly after exec)."""
         deadline = time.monotonic() + within
         while True:

@@ -1,8 +1,9 @@
 """Guest memory files of Firecracker snapshots.
 
-A ``Diff`` snapshot's memory file is sparse: it holds only the pages dirtied since the previous
-snapshot, at their guest offsets, and holes elsewhere. Restoring needs one complete file, so a
-diff is merged onto (a reflink clone of) its parent's memory: only the dirty pages are written.
+A ``Diff`` snapshot's memory file is sparse: it holds only the pages dirtied since the snapshot
+the VM was last saved to or loaded from, at their guest offsets, and holes elsewhere. Restoring
+needs one complete file, so a diff is applied onto a copy (a reflink where the file system can)
+of that snapshot's memory: only the dirty pages are written.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def copy_cow(src: Path, dst: Path) -> None:
         raise OSError(f"cp {src} {dst}: {proc.stderr.strip()}")
 
 
-def merge_diff_memory(parent_memory: Path, diff_memory: Path, out: Path) -> int:
-    """Write ``out`` = parent memory with the diff's dirty pages applied; return bytes written."""
-    copy_cow(parent_memory, out)
+def apply_diff_memory(diff_memory: Path, memory: Path) -> int:
+    """Write the dirty pages of a ``Diff`` memory file into ``memory`` (a copy of the memory the
+    diff is relative to) at their offsets; return the bytes written."""
     written = 0
-    with open(diff_memory, "rb") as src, open(out, "r+b") as dst:
+    with open(diff_memory, "rb") as src, open(memory, "r+b") as dst:
         for start, length in data_ranges(diff_memory):
             src.seek(start)
             dst.seek(start)

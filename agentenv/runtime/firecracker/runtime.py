@@ -1,78 +1,86 @@
 """Firecracker runtime: one ``firecracker`` VMM per sandbox, driven through its API socket.
 
-Per sandbox::
+Per sandbox, beside the drive directory of :mod:`agentenv.runtime.microvm.runtime`::
 
     {data_dir}/sandboxes/<id>/firecracker.json  marker + what the VM was started with (recovery)
-                              api.sock, vsock.sock, firecracker.log, metrics.json
-    {data_dir}/layers/sandboxes/<id>/upper.ext4   private writable drive (reflink clone); also
-                                                  the VMM's working directory, see below
+                              api.sock          the VMM's API socket
+                              uffd.sock         the page server's socket (uffd restores only)
+                              console.log       the VMM's stdout: the guest's serial console
+                              firecracker.log, metrics.json
+    {data_dir}/layers/sandboxes/<id>/           the VMM's working directory (see below):
+                              upper.ext4        private writable drive (reflink clone)
+                              vsock.sock        the guest's vsock
 
 The guest artifacts are the same as QEMU's (:mod:`agentenv.storage.images`): the kernel and
 initramfs, the read-only base and envd drives, and the per-sandbox upper drive. The VMM runs in
-the sandbox's netns with ``tap0`` (:mod:`agentenv.runtime.qemu.vmnet`), so envd answers at the
+the sandbox's netns with ``tap0`` (:mod:`agentenv.runtime.microvm.vmnet`), so envd answers at the
 sandbox address exactly as under the other runtimes.
 
 Firecracker records drive paths in a snapshot verbatim and cannot override them on load. The
 upper drive is therefore given as the *relative* path ``upper.ext4`` and every VMM runs with its
-own sandbox layer directory as cwd: a restored or forked VM opens its own reflink clone.
+own drive directory as cwd: a restored VM opens its own reflink clone.
 
-Snapshots: ``Full``, or ``Diff`` (dirty pages since the parent, ``track_dirty_pages`` is always
-on) merged onto the parent's memory so that every snapshot directory has one complete memory
-file. Restore maps that file MAP_PRIVATE (``mem_backend`` ``File``), which every VM restored
-from one snapshot shares; ``AGENTENV_FIRECRACKER_UFFD=1`` instead starts a page-fault server
-(:mod:`.uffd`) per restored VM on ``sandboxes/<id>/uffd.sock`` that fills guest pages lazily.
+Snapshots are ``Full``, or ``Diff`` when ``dest.parent`` is the snapshot the VM's dirty-page log
+runs from (:meth:`FirecrackerRuntime.snapshot`). A diff is applied onto a copy of the parent's
+memory, so every snapshot directory holds one complete ``memory.bin`` and never needs its parent
+again. Restore maps that file MAP_PRIVATE (``mem_backend`` ``File``), which every VM restored
+from one snapshot shares; ``settings.firecracker.uffd`` instead starts a page-fault server
+(:mod:`.uffd`) per restored VM on ``uffd.sock`` that fills guest pages lazily.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import psutil
+import httpx
 
-from agentenv.config import Settings, get_settings
-from agentenv.types import ENVD_PORT
-from agentenv.runtime import network
-from agentenv.runtime.base import CpuSampler, Runtime, RuntimeError_
-from agentenv.types import SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
+from agentenv.config import FirecrackerSettings, Settings
+from agentenv.errors import Failed, Unavailable
 from agentenv.runtime.firecracker import api
-from agentenv.runtime.firecracker.config import FirecrackerSettings
-from agentenv.runtime.firecracker.memory import copy_cow, merge_diff_memory
+from agentenv.runtime.firecracker.memory import apply_diff_memory, copy_cow
+from agentenv.runtime.microvm import vmnet
+from agentenv.runtime.microvm.disks import snapshot_disk
+from agentenv.runtime.microvm.runtime import (
+    Boot,
+    MicroVmRuntime,
+    Phases,
+    VmPaths,
+    read_marker,
+    write_marker,
+    write_snapshot_meta,
+)
 from agentenv.runtime.network import SandboxNetwork
-from agentenv.runtime.qemu import vmnet
-from agentenv.runtime.qemu.runtime import kill_pid, pid_alive, wait_for_envd
-from agentenv.storage.images import GuestImages, build_guest_images, create_upper_drive
-from agentenv.storage.reflink import ReflinkPool
+from agentenv.runtime.registry import firecracker_unusable_reason
+from agentenv.storage.images import GuestImages
+from agentenv.types import RuntimeName, SandboxInstance, SnapshotRef
 
 log = logging.getLogger(__name__)
 
-MARKER = "firecracker.json"
 UPPER_NAME = "upper.ext4"
 VSOCK_NAME = "vsock.sock"
 SNAPSHOT_STATE = "vmstate.bin"
 SNAPSHOT_MEMORY = "memory.bin"
 SNAPSHOT_DIFF = "memory.diff"
-SNAPSHOT_UPPER = "upper.ext4"
-SNAPSHOT_META = "vm.json"
-ENVD_TIMEOUT = 60.0
+#: Marker key: the snapshot the VM's dirty-page log runs from (None: no diff can be taken).
+DIRTY_SINCE = "dirty_since"
+#: Seconds a snapshot request may take (it writes all of guest memory for a Full one).
+SNAPSHOT_TIMEOUT = 300.0
+#: ``argv[0]`` part of a page-fault server (``python -m agentenv.runtime.firecracker.uffd``).
+UFFD_PROCESS = "python"
 
 
 @dataclass(frozen=True)
-class FcPaths:
-    root: Path
-    layer_dir: Path
-
-    @property
-    def marker(self) -> Path:
-        return self.root / MARKER
+class FcPaths(VmPaths):
+    MARKER = "firecracker.json"
+    #: The VMM's stdout: the guest's serial console (ttyS0) ends up here.
+    CONSOLE = "console.log"
 
     @property
     def api_socket(self) -> Path:
@@ -80,8 +88,8 @@ class FcPaths:
 
     @property
     def vsock(self) -> Path:
-        """Relative to the VMM's cwd (the layer dir), like the upper drive: a snapshot records
-        it verbatim, and every restored VMM must bind its own socket."""
+        """Relative to the VMM's cwd (the drive directory), like the upper drive: a snapshot
+        records it verbatim, and every restored VMM must bind its own socket."""
         return Path(VSOCK_NAME)
 
     @property
@@ -93,24 +101,16 @@ class FcPaths:
         return self.root / "metrics.json"
 
     @property
-    def console(self) -> Path:
-        """The VMM's stdout: the guest's serial console (ttyS0) ends up here."""
-        return self.root / "console.log"
-
-    @property
-    def upper(self) -> Path:
-        return self.layer_dir / UPPER_NAME
-
-    @property
     def uffd_socket(self) -> Path:
         return self.root / "uffd.sock"
 
+    @property
+    def runtime_files(self) -> tuple[Path, ...]:
+        return self.api_socket, self.uffd_socket
+
 
 def fc_paths(settings: Settings, sandbox_id: str) -> FcPaths:
-    return FcPaths(
-        root=settings.data_dir / "sandboxes" / sandbox_id,
-        layer_dir=ReflinkPool(settings.data_dir).root / "sandboxes" / sandbox_id,
-    )
+    return FcPaths.of(settings, sandbox_id)
 
 
 def boot_requests(
@@ -146,40 +146,59 @@ def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.Ap
     ]
 
 
-def _allocated_and_size(path: Path) -> tuple[int, int]:
+def diff_base(state: dict[str, Any], dest: SnapshotRef) -> bool:
+    """Whether ``dest`` can be a ``Diff`` snapshot; if so, a copy of the parent's memory, which the
+    diff is applied onto, is made in ``dest`` first (the parent may be deleted meanwhile).
+
+    Firecracker's diff holds the pages dirtied since the VM was last snapshotted or loaded, so
+    the parent must be exactly that snapshot (``state[DIRTY_SINCE]``), and its memory present."""
+    parent = dest.parent
+    if parent is None:
+        return False
+    if state.get(DIRTY_SINCE) != parent.snapshot_id:
+        log.info("firecracker snapshot %s: Full, the VM's dirty-page log does not run from %s (but %s)",
+                 dest.snapshot_id, parent.snapshot_id, state.get(DIRTY_SINCE))
+        return False
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return 0, 0
-    return st.st_blocks * 512, st.st_size
+        copy_cow(parent.path / SNAPSHOT_MEMORY, dest.path / SNAPSHOT_MEMORY)
+    except OSError as exc:
+        log.info("firecracker snapshot %s: Full, the memory of %s is gone: %s",
+                 dest.snapshot_id, parent.snapshot_id, exc)
+        return False
+    return True
 
 
-class FirecrackerRuntime(Runtime):
-    name: ClassVar[str] = "firecracker"
+def complete_diff_memory(dest: SnapshotRef, diff: Path) -> None:
+    """Apply the diff's dirty pages onto the copy of the parent's memory :func:`diff_base` made:
+    ``dest`` then holds one complete ``memory.bin``."""
+    apply_diff_memory(diff, dest.path / SNAPSHOT_MEMORY)
+    diff.unlink()
 
-    def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = settings or get_settings()
-        self.fc = FirecrackerSettings()
-        self._cpu = CpuSampler()
-        #: Waiters that reap exited VMMs (kept referenced so they are not garbage-collected).
+
+class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
+    name: ClassVar[RuntimeName] = "firecracker"
+    process_name: ClassVar[str] = "firecracker"
+    snapshot_file: ClassVar[str] = SNAPSHOT_STATE
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        #: Waiters that reap exited VMMs and page servers (kept referenced so they are not
+        #: garbage-collected).
         self._reapers: set[asyncio.Task[int]] = set()
+
+    @property
+    def fc(self) -> FirecrackerSettings:
+        return self.settings.firecracker
 
     # -- availability -------------------------------------------------------------------------
 
-    @classmethod
-    def probe(cls) -> str | None:
-        from agentenv.runtime.registry import firecracker_unusable_reason
-
-        return firecracker_unusable_reason(get_settings())
-
-    @property
-    def binary(self) -> str:
-        return self.fc.pvm_binary if self.fc.pvm else self.settings.firecracker_path
+    def probe(self) -> str | None:
+        return firecracker_unusable_reason(self.settings)
 
     def kernel(self, images: GuestImages) -> Path:
         if self.fc.pvm:
             if self.fc.pvm_kernel is None:
-                raise RuntimeError_("PVM mode needs AGENTENV_FIRECRACKER_PVM_KERNEL (a PVM guest vmlinux)")
+                raise Unavailable("PVM mode needs AGENTENV_FIRECRACKER__PVM_KERNEL (a PVM guest vmlinux)")
             return self.fc.pvm_kernel
         return self.fc.kernel or images.kernel.vmlinux
 
@@ -188,109 +207,79 @@ class FirecrackerRuntime(Runtime):
         # Firecracker has no PCI bus and no i8042; the kernel must not wait for either.
         return images.cmdline(guest, gateway) + " pci=off i8042.noaux i8042.nomux i8042.dumbkbd"
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    def paths(self, sandbox_id: str) -> FcPaths:
+        return FcPaths.of(self.settings, sandbox_id)
 
-    async def create(self, spec: SandboxSpec) -> SandboxInstance:
-        return await self._start(spec, snapshot=None)
+    # -- the hooks of MicroVmRuntime ----------------------------------------------------------
 
-    async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
-        if not (source.path / SNAPSHOT_STATE).is_file():
-            raise RuntimeError_(f"snapshot {source.snapshot_id} has no Firecracker VM state", code=404)
-        return await self._start(spec, snapshot=source)
+    def _envd_timeout(self) -> float:
+        return self.fc.boot_timeout
 
-    async def fork(
-        self, instance: SandboxInstance, snapshot: SnapshotRef, specs: list[SandboxSpec]
-    ) -> list[SandboxInstance]:
-        """Snapshot ``instance`` (it keeps running) and start one VM per spec from it.
+    def _extra_state(self, boot: Boot) -> dict[str, Any]:
+        # Loading a snapshot resets the dirty-page log: the next diff is relative to it.
+        return {"pvm": self.fc.pvm, DIRTY_SINCE: boot.snapshot.snapshot_id if boot.snapshot else None}
 
-        The children share the snapshot's memory file (MAP_PRIVATE) and reflink-clone its disk."""
-        await self.snapshot(instance, snapshot, stop=False)
-        return list(await asyncio.gather(*(self.restore(spec, snapshot) for spec in specs)))
-
-    async def _start(self, spec: SandboxSpec, snapshot: SnapshotRef | None) -> SandboxInstance:
-        sid = spec.sandbox_id
-        paths = fc_paths(self.settings, sid)
-        tmpl = spec.template
-        if snapshot is None:
-            images = await asyncio.to_thread(build_guest_images, self.settings, tmpl.template_id, tmpl.rootfs)
-            vcpus, memory_mb = tmpl.vcpus, tmpl.memory_mb
-        else:
-            meta = json.loads((snapshot.path / SNAPSHOT_META).read_text())
-            images = GuestImages.from_json(meta["images"])
-            vcpus, memory_mb = meta["vcpus"], meta["memory_mb"]
-        state: dict[str, Any] = {
-            "paths": str(paths.root), "upper": str(paths.upper), "images": images.to_json(),
-            "vcpus": vcpus, "memory_mb": memory_mb, "pvm": self.fc.pvm,
-        }
-        try:
-            paths.root.mkdir(parents=True, exist_ok=False)
-        except FileExistsError:
-            raise RuntimeError_(f"sandbox {sid} already exists on this node", code=409) from None
-        try:
-            paths.layer_dir.mkdir(parents=True, exist_ok=True)
-            if snapshot is None:
-                await asyncio.to_thread(create_upper_drive, self.settings, images, paths.upper)
-            else:
-                await asyncio.to_thread(copy_cow, snapshot.path / SNAPSHOT_UPPER, paths.upper)
-            net = await network.setup_network(
-                self.settings, sid, allow_internet_access=spec.allow_internet_access
+    def _check_restorable(self, boot: Boot) -> None:
+        taken_pvm = bool(boot.meta.get("pvm", False))
+        if taken_pvm != self.fc.pvm:
+            snapshot_id = boot.snapshot.snapshot_id if boot.snapshot else "?"
+            mode = {True: "PVM", False: "KVM"}
+            raise Unavailable(
+                f"snapshot {snapshot_id} was taken in {mode[taken_pvm]} mode; firecracker here runs "
+                f"{mode[self.fc.pvm]} guests"
             )
-            state["network"] = net.to_state()
-            paths.marker.write_text(json.dumps(state))
-            await vmnet.add_tap(self.settings, net)
-            state["pid"] = await self._spawn(net, paths)
-            paths.marker.write_text(json.dumps(state))
 
-            async def alive() -> bool:
-                return pid_alive(state["pid"], "firecracker")
+    def _vm_processes(self, state: dict[str, Any], paths: FcPaths) -> list[tuple[int | None, str]]:
+        return [(state.get("pid"), self.process_name), (state.get("uffd_pid"), UFFD_PROCESS)]
 
-            # Firecracker opens, never creates, its log and metrics files.
-            for output in (paths.log, paths.metrics):
-                output.touch()
-            client = api.FirecrackerClient(paths.api_socket)
-            try:
-                await client.wait_ready(self.fc.boot_timeout, alive)
-                if snapshot is None:
-                    await client.send_all(
-                        boot_requests(
-                            images, paths, vcpus=vcpus, memory_mb=memory_mb,
-                            kernel=self.kernel(images), boot_args=self.boot_args(images),
-                        )
-                    )
-                else:
-                    if self.fc.uffd:
-                        memory = snapshot.path / SNAPSHOT_MEMORY
-                        state["uffd_pid"] = await self._start_uffd_handler(paths, memory)
-                        paths.marker.write_text(json.dumps(state))
-                    await client.send_all(restore_requests(paths, snapshot.path, uffd=self.fc.uffd))
-            finally:
-                await client.close()
-            url = f"http://{net.sandbox_ip}:{ENVD_PORT}"
-            await wait_for_envd(url, ENVD_TIMEOUT, alive, paths.console)
-            return SandboxInstance(sid, self.name, url, net.sandbox_ip, state)
-        except BaseException:
-            await self._destroy(sid, state)
-            raise
+    async def _launch(
+        self, net: SandboxNetwork, boot: Boot, paths: FcPaths, state: dict[str, Any], phases: Phases
+    ) -> None:
+        # Firecracker opens, never creates, its log and metrics files.
+        for output in (paths.log, paths.metrics):
+            output.touch()
+        state["pid"] = await self._spawn(net, paths)
+        write_marker(paths, state)
+        phases.mark("spawn")
+        client = api.FirecrackerClient(paths.api_socket)
+        try:
+            await client.wait_ready(self.fc.boot_timeout, self._vm_alive(state, paths))
+            await client.send_all(await self._start_requests(boot, paths, state))
+        finally:
+            await client.close()
+        phases.mark("boot" if boot.snapshot is None else "load")
+
+    async def _start_requests(
+        self, boot: Boot, paths: FcPaths, state: dict[str, Any]
+    ) -> list[api.ApiRequest]:
+        if boot.snapshot is None:
+            return boot_requests(
+                boot.images, paths, vcpus=boot.vcpus, memory_mb=boot.memory_mb,
+                kernel=self.kernel(boot.images), boot_args=self.boot_args(boot.images),
+            )
+        if self.fc.uffd:
+            state["uffd_pid"] = await self._start_uffd_handler(paths, boot.snapshot.path / SNAPSHOT_MEMORY)
+            write_marker(paths, state)
+        return restore_requests(paths, boot.snapshot.path, uffd=self.fc.uffd)
 
     async def _spawn(self, net: SandboxNetwork, paths: FcPaths) -> int:
-        """Start the VMM in the sandbox's netns, cwd = its layer directory (see module doc)."""
-        if shutil.which(self.binary) is None:
-            raise RuntimeError_(f"firecracker binary {self.binary!r} not found (see docs/KVM.md)")
+        """Start the VMM in the sandbox's netns, cwd = its drive directory (see module doc)."""
+        binary = self.fc.binary
+        if shutil.which(binary) is None:
+            raise Unavailable(f"firecracker binary {binary!r} not found (see docs/KVM.md)")
         # The child inherits the descriptor; the parent's copy is closed right after the spawn.
         console = await asyncio.to_thread(open, paths.console, "ab")
         try:
             proc = await asyncio.create_subprocess_exec(
                 "nsenter", f"--net={net.netns_path}", "--",
-                self.binary, "--api-sock", str(paths.api_socket), "--id", net.sandbox_id[:60],
+                binary, "--api-sock", str(paths.api_socket), "--id", net.sandbox_id[:60],
                 cwd=paths.layer_dir, stdin=asyncio.subprocess.DEVNULL, stdout=console,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             )
         finally:
             console.close()
         # nsenter execs the VMM in place, so this pid is firecracker's own.
-        reaper = asyncio.get_running_loop().create_task(proc.wait())
-        self._reapers.add(reaper)
-        reaper.add_done_callback(self._reapers.discard)
+        self._reap(proc)
         return proc.pid
 
     async def _start_uffd_handler(self, paths: FcPaths, memory: Path) -> int:
@@ -299,97 +288,78 @@ class FirecrackerRuntime(Runtime):
             sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(paths.uffd_socket), str(memory),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
         )
+        self._reap(proc)
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
         if line.strip() != b"ready":
-            raise RuntimeError_("the userfaultfd page server did not start")
+            raise Failed("the userfaultfd page server did not start")
+        return proc.pid
+
+    def _reap(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait for the child in the background: an exited VMM must not stay a zombie."""
         reaper = asyncio.get_running_loop().create_task(proc.wait())
         self._reapers.add(reaper)
         reaper.add_done_callback(self._reapers.discard)
-        return proc.pid
-
-    async def kill(self, instance: SandboxInstance) -> None:
-        await self._destroy(instance.sandbox_id, instance.state)
-
-    async def _destroy(self, sandbox_id: str, state: dict[str, Any]) -> None:
-        paths = fc_paths(self.settings, sandbox_id)
-        if not state and paths.marker.exists():
-            with contextlib.suppress(ValueError, OSError):
-                state = json.loads(paths.marker.read_text())
-        await kill_pid(state.get("pid"), "firecracker")
-        await kill_pid(state.get("uffd_pid"), "python")
-        net_state = state.get("network")
-        net = SandboxNetwork.from_state(net_state) if net_state else None
-        await network.teardown_network(self.settings, sandbox_id, net)
-        pool = ReflinkPool(self.settings.data_dir)
-        pool.remove(paths.upper)
-        with contextlib.suppress(OSError):
-            paths.layer_dir.rmdir()
-        shutil.rmtree(paths.root, ignore_errors=True)
-        self._cpu.forget(sandbox_id)
-
-    async def is_alive(self, instance: SandboxInstance) -> bool:
-        return pid_alive(instance.state.get("pid"), "firecracker")
-
-    async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
-        state = instance.state
-        vcpus, mem_total = int(state["vcpus"]), int(state["memory_mb"]) << 20
-        upper = Path(state["upper"])
-        try:
-            proc = psutil.Process(state.get("pid"))
-            times = proc.cpu_times()
-            cpu_total = times.user + times.system
-            rss = proc.memory_info().rss
-        except (psutil.Error, TypeError) as exc:
-            raise RuntimeError_(f"sandbox {instance.sandbox_id} is not running: {exc}", code=404) from exc
-        pct = self._cpu.percent(instance.sandbox_id, cpu_total, vcpus) or 0.0
-        disk_used, disk_total = await asyncio.to_thread(_allocated_and_size, upper)
-        return SandboxMetrics(vcpus, pct, min(rss, mem_total), mem_total, disk_used, disk_total)
-
-    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
-        removed = []
-        for marker in sorted((self.settings.data_dir / "sandboxes").glob(f"*/{MARKER}")):
-            sid = marker.parent.name
-            if sid not in keep:
-                await self._destroy(sid, {})
-                removed.append(sid)
-        return removed
 
     # -- snapshots ----------------------------------------------------------------------------
 
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
-        """Pause, write VM state + memory (Diff against ``dest.parent`` when given), clone the
-        upper drive, then resume (or, with ``stop``, tear the VM down: that is a pause)."""
-        paths = fc_paths(self.settings, instance.sandbox_id)
+        """Pause the vCPUs, write VM state and memory, clone the upper drive, then resume (or, with
+        ``stop``, stop the VM and keep its network for the resume: a pause).
+
+        ``Diff`` when ``dest.parent`` is the snapshot this VM's dirty-page log runs from (the one
+        it was last snapshotted to, or restored from) and that snapshot's memory is still there:
+        only the pages dirtied since are written while the VM is paused, and applied after the
+        resume onto a copy of the parent's memory. Otherwise ``Full``. A failed snapshot leaves
+        the VM running, and the next one ``Full``."""
+        paths = self.paths(instance.sandbox_id)
+        state = read_marker(paths) or dict(instance.state)
         dest.path.mkdir(parents=True, exist_ok=True)
-        parent = dest.parent
-        diff = parent is not None and (parent.path / SNAPSHOT_MEMORY).is_file()
-        memory_target = dest.path / (SNAPSHOT_DIFF if diff else SNAPSHOT_MEMORY)
-        client = api.FirecrackerClient(paths.api_socket, timeout=300.0)
+        phases = Phases()
+        diff = await asyncio.to_thread(diff_base, state, dest)
+        phases.mark("base")
+        # Creating a snapshot resets the dirty-page log even when a later step fails: until this
+        # one is complete, no snapshot is a valid parent.
+        state[DIRTY_SINCE] = None
+        write_marker(paths, state)
+        await self._save(paths, state, dest, diff=diff, stop=stop, phases=phases)
+        if stop:
+            await self._stop_keeping_network(instance, paths)
+        else:
+            state[DIRTY_SINCE] = dest.snapshot_id
+            write_marker(paths, state)
+        log.info("firecracker %s: %s (%s) in %s", instance.sandbox_id, "pause" if stop else "snapshot",
+                 "Diff" if diff else "Full", phases.summary())
+
+    async def _save(
+        self, paths: FcPaths, state: dict[str, Any], dest: SnapshotRef, *, diff: bool, stop: bool,
+        phases: Phases,
+    ) -> None:
+        """Everything of a snapshot from the pause on; on failure the VM runs again."""
+        memory = dest.path / (SNAPSHOT_DIFF if diff else SNAPSHOT_MEMORY)
+        client = api.FirecrackerClient(paths.api_socket, timeout=SNAPSHOT_TIMEOUT)
         try:
             await client.send(api.vm_state("Paused"))
             try:
-                await client.send(
-                    api.snapshot_create(dest.path / SNAPSHOT_STATE, memory_target, "Diff" if diff else "Full")
-                )
+                kind: api.SnapshotType = "Diff" if diff else "Full"
+                await client.send(api.snapshot_create(dest.path / SNAPSHOT_STATE, memory, kind))
                 # vCPUs are stopped and Firecracker's Sync engine has written every completed
                 # request: the upper drive file is consistent with the memory image.
-                await asyncio.to_thread(copy_cow, paths.upper, dest.path / SNAPSHOT_UPPER)
-            finally:
+                await asyncio.to_thread(snapshot_disk, self.settings, paths.upper, dest)
+                phases.mark("save")
                 if not stop:
                     await client.send(api.vm_state("Resumed"))
+                if diff:
+                    await asyncio.to_thread(complete_diff_memory, dest, memory)
+                write_snapshot_meta(
+                    dest, state, pvm=state.get("pvm", False), runtime=self.name, type=kind,
+                    parent=dest.parent.snapshot_id if diff and dest.parent else None,
+                )
+                phases.mark("merge" if diff else "meta")
+            except BaseException:
+                # Resuming a running VM is a no-op: whichever step failed, the VM runs again.
+                with contextlib.suppress(api.FirecrackerApiError, httpx.HTTPError):
+                    await client.send(api.vm_state("Resumed"))
+                raise
         finally:
             await client.close()
-        if diff:
-            assert parent is not None
-            await asyncio.to_thread(
-                merge_diff_memory, parent.path / SNAPSHOT_MEMORY, memory_target, dest.path / SNAPSHOT_MEMORY
-            )
-            memory_target.unlink()
-        meta = {key: instance.state[key] for key in ("images", "vcpus", "memory_mb", "pvm")} | {
-            "runtime": self.name, "type": "Diff" if diff else "Full",
-            "parent": parent.snapshot_id if parent else None,
-        }
-        (dest.path / SNAPSHOT_META).write_text(json.dumps(meta, indent=2) + "\n")
-        if stop:
-            await self._destroy(instance.sandbox_id, instance.state)

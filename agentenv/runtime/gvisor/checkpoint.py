@@ -42,9 +42,10 @@ from typing import Any
 from agentenv.errors import Failed, Gone
 from agentenv.runtime import network
 from agentenv.runtime.gvisor.disk import RootDisks
-from agentenv.runtime.gvisor.paths import SandboxPaths, write_json
+from agentenv.runtime.gvisor.paths import SandboxPaths
 from agentenv.runtime.gvisor.runsc import Runsc
 from agentenv.runtime.network import SandboxNetwork
+from agentenv.storage.atomic import write_json_atomic
 from agentenv.types import SandboxInstance
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def elapsed_ms(start: float) -> float:
 
 
 def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
-    write_json(dest / META_FILE, {
+    write_json_atomic(dest / META_FILE, {
         "format": META_FORMAT,
         "runtime": "gvisor",
         "sandbox_id": instance.sandbox_id,
@@ -80,7 +81,7 @@ def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
         "platform": instance.state.get("platform"),
         "layers": chain,
         "created_at": time.time(),
-    })
+    }, indent=2)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 
 from agentenv.errors import Failed, Gone
-from agentenv.runtime.gvisor.paths import SandboxPaths, write_json
+from agentenv.runtime.gvisor.paths import SandboxPaths
+from agentenv.storage.atomic import write_json_atomic
 from agentenv.storage.envd_bundle import MOUNT_POINT
 from agentenv.storage.layers import LayerError, LayerStore, overlay_mount, overlay_unmount, tree_bytes
 
@@ -42,7 +43,7 @@ class RootDisks:
         if missing:
             raise Gone(f"disk layers {', '.join(missing)} of sandbox {paths.sandbox_id} are gone")
         paths.root.mkdir(parents=True, exist_ok=True)
-        write_json(paths.layers_file, chain)
+        self.set_chain(paths, chain)
         for d in (paths.upper, paths.work, paths.rootfs):
             d.mkdir(exist_ok=True)
         if not (template_rootfs / MOUNT_POINT_DIR).is_dir():  # the envd bundle's mount point
@@ -72,7 +73,7 @@ class RootDisks:
 
     @staticmethod
     def set_chain(paths: SandboxPaths, chain: list[str]) -> None:
-        write_json(paths.layers_file, chain)
+        write_json_atomic(paths.layers_file, chain)
 
     @staticmethod
     def fresh_upper(paths: SandboxPaths) -> None:

@@ -11,11 +11,8 @@ Per sandbox, under ``{data_dir}/sandboxes/<sandbox_id>/``::
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 #: Prefix of the runsc container id of every sandbox (crash recovery finds leaks by it).
 CONTAINER_PREFIX = "ae-"
@@ -70,13 +67,6 @@ class SandboxPaths:
     @property
     def runsc_log(self) -> Path:
         return self.root / "runsc.log"
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Replace ``path`` atomically with ``value`` as JSON."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2))
-    os.replace(tmp, path)
 
 
 def tail(path: Path, size: int = 1500) -> str:

@@ -30,9 +30,10 @@ from agentenv.runtime.base import CpuSampler, Runtime
 from agentenv.runtime.gvisor import cgroups, checkpoint
 from agentenv.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from agentenv.runtime.gvisor.disk import RootDisks
-from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir, tail, write_json
+from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir, tail
 from agentenv.runtime.gvisor.runsc import Runsc
 from agentenv.runtime.network import SandboxNetwork
+from agentenv.storage.atomic import write_json_atomic
 from agentenv.storage.compat_libs import STATX_COMPAT
 from agentenv.storage.envd_bundle import (
     MOUNT_POINT,
@@ -43,6 +44,7 @@ from agentenv.storage.envd_bundle import (
     remove_stale_bundles,
 )
 from agentenv.types import (
+    ENVD_ACCESS_TOKEN_ENV,
     ENVD_PORT,
     LiveSnapshots,
     RuntimeName,
@@ -145,7 +147,7 @@ class GvisorRuntime(Runtime):
             # Inherited by every process envd starts: coreutils' statx works on this runsc.
             env["LD_PRELOAD"] = f"{MOUNT_POINT}/lib/{STATX_COMPAT}"
         if spec.envd_access_token:
-            env["AGENTENV_ENVD_ACCESS_TOKEN"] = spec.envd_access_token
+            env[ENVD_ACCESS_TOKEN_ENV] = spec.envd_access_token
         tpl = spec.template
         caps = list(CAPABILITIES)
         return {
@@ -188,7 +190,7 @@ class GvisorRuntime(Runtime):
     def _write_bundle(self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path) -> None:
         bundle = self.paths(spec.sandbox_id).bundle
         bundle.mkdir(parents=True, exist_ok=True)
-        write_json(bundle / "config.json", self.oci_spec(spec, net, rootfs, envd_bundle))
+        write_json_atomic(bundle / "config.json", self.oci_spec(spec, net, rootfs, envd_bundle), indent=2)
 
     def _instance(self, spec: SandboxSpec, net: SandboxNetwork, envd_bundle: Path) -> SandboxInstance:
         return SandboxInstance(

@@ -16,6 +16,7 @@ from agentenv.config import Settings
 from agentenv.storage.atomic import write_atomic
 from agentenv.storage.images import GuestImages, create_upper_drive
 from agentenv.storage.reflink import ReflinkPool
+from agentenv.types import SnapshotRef
 
 SNAPSHOT_UPPER = "upper.ext4"
 
@@ -29,22 +30,22 @@ def prepare_upper(settings: Settings, images: GuestImages, snapshot: Path | None
         ReflinkPool(settings.data_dir).clone((snapshot / SNAPSHOT_UPPER).resolve(), upper)
 
 
-def snapshot_disk(settings: Settings, upper: Path, snapshot_id: str, snapshot_dir: Path) -> Path:
-    """Reflink-clone a VM's upper drive into the pool for snapshot ``snapshot_id``.
+def snapshot_disk(settings: Settings, upper: Path, dest: SnapshotRef) -> Path:
+    """Reflink-clone a VM's upper drive into the pool for snapshot ``dest``.
 
-    Clones must stay inside the pool's file system, and ``snapshot_dir`` may not be: the clone
-    lives at ``layers/snapshots/<id>/`` and ``snapshot_dir/upper.ext4`` is a symlink to it. The
-    layer's ``owner`` file names the directory that holds ``snapshot_dir``: the orchestrator
-    renames snapshot directories there (temp -> committed -> deleting), so the layer is in use
-    exactly while some directory there links to it (:func:`remove_orphan_snapshot_disks`)."""
+    Clones must stay inside the pool's file system, and ``dest.path`` (the snapshot directory)
+    may not be: the clone lives at ``layers/snapshots/<id>/`` and ``dest.path/upper.ext4`` is a
+    symlink to it. The layer's ``owner`` file names the directory that holds ``dest.path``: the
+    orchestrator renames snapshot directories there (temp -> committed -> deleting), so the layer
+    is in use exactly while some directory there links to it (:func:`remove_orphan_snapshot_disks`)."""
     pool = ReflinkPool(settings.data_dir)
-    layer = pool.root / "snapshots" / snapshot_id / SNAPSHOT_UPPER
+    layer = pool.root / "snapshots" / dest.snapshot_id / SNAPSHOT_UPPER
     pool.clone(upper, layer)
-    link = snapshot_dir / SNAPSHOT_UPPER
+    link = dest.path / SNAPSHOT_UPPER
     link.unlink(missing_ok=True)
     link.symlink_to(layer)
     # Written last: a layer without an owner is never collected (it is being made).
-    write_atomic(layer.parent / "owner", str(snapshot_dir.resolve().parent) + "\n")
+    write_atomic(layer.parent / "owner", str(dest.path.resolve().parent) + "\n")
     return layer
 
 

@@ -35,7 +35,7 @@ from agentenv.runtime import network
 from agentenv.runtime.base import CpuSampler, Runtime
 from agentenv.runtime.microvm import vmnet
 from agentenv.runtime.microvm.disks import allocated_and_size, prepare_upper, remove_orphan_snapshot_disks
-from agentenv.runtime.microvm.host import kill_pid, pid_alive, wait_for_envd
+from agentenv.runtime.microvm.host import Alive, kill_pid, pid_alive, wait_for_envd
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.storage.atomic import write_json_atomic
 from agentenv.storage.images import GuestImages, build_guest_images
@@ -107,6 +107,24 @@ def read_marker(paths: VmPaths) -> dict[str, Any]:
 
 def write_marker(paths: VmPaths, state: dict[str, Any]) -> None:
     write_json_atomic(paths.marker, state)
+
+
+def claim_dir(sandbox_id: str, paths: VmPaths) -> SandboxNetwork | None:
+    """Create the sandbox's directory. A pause leaves it behind with the sandbox's network
+    (netns, tap, NAT): a resume takes that over, keeps its address and sets nothing up."""
+    try:
+        paths.root.mkdir(parents=True, exist_ok=False)
+        return None
+    except FileExistsError:
+        pass
+    state = read_marker(paths)
+    if not (state.get("paused") and state.get("network")):
+        raise Conflict(f"sandbox {sandbox_id} already exists on this node")
+    return SandboxNetwork.from_state(state["network"])
+
+
+def netns_exists(net: SandboxNetwork) -> bool:
+    return os.path.exists(net.netns_path)
 
 
 @dataclass(frozen=True)
@@ -256,23 +274,13 @@ class MicroVmRuntime(Runtime, Generic[P]):
             raise
 
     async def _claim_dir(self, sandbox_id: str, paths: P) -> SandboxNetwork | None:
-        """Create the sandbox's directory. A pause leaves it behind with the sandbox's network
-        (netns, tap, NAT): a resume takes that over, keeps its address and sets nothing up."""
-        try:
-            paths.root.mkdir(parents=True, exist_ok=False)
-            return None
-        except FileExistsError:
-            pass
-        state = read_marker(paths)
-        if not (state.get("paused") and state.get("network")):
-            raise Conflict(f"sandbox {sandbox_id} already exists on this node")
-        kept = SandboxNetwork.from_state(state["network"])
-        if os.path.exists(kept.netns_path):
+        """Create the sandbox's directory, or take over the network a pause kept (see
+        :func:`claim_dir`) when it is still there."""
+        kept = claim_dir(sandbox_id, paths)
+        if kept is None or netns_exists(kept):
             return kept
         # The host rebooted while the sandbox was paused (/run/netns is a tmpfs): a new network.
         await network.teardown_network(self.settings, sandbox_id, kept)
-        state["network"] = None
-        write_marker(paths, state)
         return None
 
     async def _bring_up(
@@ -302,13 +310,19 @@ class MicroVmRuntime(Runtime, Generic[P]):
         await vmnet.add_tap(self.settings, net)
         return net
 
-    async def _wait_envd(self, url: str, paths: P, state: dict[str, Any], *, restored: bool) -> None:
+    def _vm_alive(self, state: dict[str, Any], paths: P) -> Alive:
+        """Asks whether the VM process ``state`` records is still running."""
+
         async def alive() -> bool:
             return pid_alive(state.get("pid"), self.process_name, str(paths.root))
 
+        return alive
+
+    async def _wait_envd(self, url: str, paths: P, state: dict[str, Any], *, restored: bool) -> None:
         # A restored envd is already listening: it answers within milliseconds of the vCPUs
         # running again, so a coarse poll would only add latency.
         interval = 0.005 if restored else 0.1
+        alive = self._vm_alive(state, paths)
         await wait_for_envd(url, self._envd_timeout(), alive, paths.console, interval=interval)
 
     # -- stop ---------------------------------------------------------------------------------

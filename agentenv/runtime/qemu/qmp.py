@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentenv.runtime.base import RuntimeError_
+from agentenv.errors import Failed
 
 
-class QmpError(RuntimeError_):
-    pass
+class QmpError(Failed):
+    """QEMU refused a command, or its QMP socket did not answer."""
 
 
 class Qmp:
