@@ -9,7 +9,7 @@
 
 Markers (pyproject.toml): ``requires_root("why")`` skips, printing why, unless run as root;
 ``kvm`` skips, printing why, unless /dev/kvm can boot guests (vmx/svm, or PVM when
-``AGENTENV_FIRECRACKER_PVM`` is set). Skips are listed with ``-rs``.
+``AGENTENV_FIRECRACKER__PVM`` is set). Skips are listed with ``-rs``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ from tests.support import TESTS, leaks
 pytest_plugins = ["tests.support.fixtures"]
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _pvm_requested() -> bool:
+    """Firecracker is set to PVM mode (``AGENTENV_FIRECRACKER__PVM``): then PVM guests count."""
+    try:
+        from agentenv.config import Settings
+
+        return bool(Settings().firecracker.pvm)
+    except Exception:  # config in the middle of a change: assume the default
+        return False
 
 
 @cache
@@ -35,7 +41,7 @@ def kvm_missing() -> str | None:
         from agentenv.runtime.registry import kvm_unusable_reason
     except ImportError as exc:
         return f"cannot check KVM: {exc}"
-    return kvm_unusable_reason(pvm=_env_flag("AGENTENV_FIRECRACKER_PVM"))
+    return kvm_unusable_reason(pvm=_pvm_requested())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

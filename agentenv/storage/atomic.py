@@ -3,17 +3,34 @@
 A plain ``write_text`` over a state file leaves a torn or empty file when the process or the host
 dies half-way; a rename without the fsyncs can leave the new name pointing at data that never
 reached the disk. Readers of a file written here see the old content or the new, never a mix.
+Cached artifacts are built under :func:`exclusive` (concurrent builders wait for the first one)
+and given their name by :func:`publish`.
 
 Imports nothing of the project.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (across threads and processes)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def fsync_path(path: Path) -> None:

@@ -26,7 +26,6 @@ configures ``eth0`` from ``agentenv.ip=``/``agentenv.gw=`` on the kernel command
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gzip
 import hashlib
 import json
@@ -38,13 +37,13 @@ import stat
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.errors import Failed, Gone
-from agentenv.storage.atomic import publish
+from agentenv.storage.atomic import exclusive, publish
 from agentenv.storage.envd_bundle import MOUNT_POINT, build_envd_bundle, envd_argv, envd_env
 from agentenv.storage.reflink import ReflinkPool
 
@@ -119,17 +118,6 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
     return proc.stdout
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -173,7 +161,7 @@ def download_kernel_package(settings: Settings) -> Path:
     existing = sorted(debs.glob(f"{package}_*.deb"))
     if existing:
         return existing[-1]
-    with _exclusive(debs / ".lock"):
+    with exclusive(debs / ".lock"):
         existing = sorted(debs.glob(f"{package}_*.deb"))
         if existing:
             return existing[-1]
@@ -384,7 +372,7 @@ def build_kernel(settings: Settings) -> GuestKernel:
     final = root / key
     if (final / "manifest.json").exists():
         return _kernel_from(final)
-    with _exclusive(root / ".lock"):
+    with exclusive(root / ".lock"):
         if (final / "manifest.json").exists():
             return _kernel_from(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=root))
@@ -462,7 +450,7 @@ def _build_cached(directory: Path, name: str, builder: Callable[[Path], object])
     final = directory / name
     if final.exists():
         return final
-    with _exclusive(directory / ".lock"):
+    with exclusive(directory / ".lock"):
         if final.exists():
             return final
         tmp = directory / f".{name}.tmp"

@@ -22,8 +22,10 @@ from pathlib import Path
 NETNS_DIR = Path("/var/run/netns")
 NETNS_PREFIX = "ae-"
 HOST_IF_PREFIX = "aeh"
-#: Programs that run a sandbox (the uffd page server runs as agentenv.runtime.firecracker.uffd).
+#: Programs that run a sandbox, matched on the executable's name (argv[0]): runsc re-executes
+#: itself as runsc-sandbox / runsc-gofer. The Firecracker uffd page server is a python module.
 SANDBOX_PROGRAMS = ("runsc", "qemu-system", "firecracker")
+SANDBOX_MODULES = ("agentenv.runtime.firecracker.uffd",)
 
 
 def _network_names() -> tuple[Path, str, str]:
@@ -99,26 +101,44 @@ def link_exists(name: str) -> bool:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def processes(*needles: str) -> list[str]:
-    """``"<pid> <command line>"`` of every process whose command line contains all ``needles``
-    (not this process)."""
+def _command_lines() -> list[tuple[int, list[str]]]:
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            raw = (entry / "cmdline").read_bytes()
         except OSError:  # exited meanwhile
             continue
-        if args and all(needle in args for needle in needles):
-            found.append(f"{entry.name} {args[:200]}")
+        argv = raw.decode(errors="replace").split("\0")
+        if argv and argv[-1] == "":
+            argv.pop()
+        if argv:
+            found.append((int(entry.name), argv))
     return found
 
 
+def _describe(pid: int, argv: list[str]) -> str:
+    return f"{pid} {' '.join(argv)[:200]}"
+
+
+def processes(*needles: str) -> list[str]:
+    """``"<pid> <command line>"`` of every process whose command line contains all ``needles``
+    (not this process)."""
+    return [_describe(pid, argv) for pid, argv in _command_lines()
+            if all(needle in " ".join(argv) for needle in needles)]
+
+
+def _is_sandbox_program(argv: list[str]) -> bool:
+    name = os.path.basename(argv[0].split()[0]) if argv[0].strip() else ""
+    return name.startswith(SANDBOX_PROGRAMS) or any(module in argv for module in SANDBOX_MODULES)
+
+
 def sandbox_processes(text: str = "") -> list[str]:
-    """runsc, QEMU and Firecracker processes whose command line contains ``text`` (all of them
-    when empty)."""
-    return [line for program in SANDBOX_PROGRAMS for line in processes(program, text)]
+    """runsc, QEMU and Firecracker processes (by executable, not a shell or a ``flock`` that merely
+    names one) whose command line contains ``text``; all of them when empty."""
+    return [_describe(pid, argv) for pid, argv in _command_lines()
+            if _is_sandbox_program(argv) and text in " ".join(argv)]
 
 
 # -- one sandbox -------------------------------------------------------------------------------
@@ -153,19 +173,21 @@ def wait_no_host_resources(sandbox_id: str, timeout: float = 15) -> list[str]:
 class HostState:
     netns: frozenset[str]
     links: frozenset[str]
-    processes: frozenset[str]  # "<pid> <command line>" of sandbox programs
+    processes: dict[int, str]  # pid -> "<pid> <command line>" of sandbox programs
 
     def new_since(self, before: HostState) -> list[str]:
         """What exists now and did not exist in ``before``."""
+        new_processes = [line for pid, line in sorted(self.processes.items()) if pid not in before.processes]
         return (
             [f"netns {n}" for n in sorted(self.netns - before.netns)]
             + [f"veth {n}" for n in sorted(self.links - before.links)]
-            + [f"process {p}" for p in sorted(self.processes - before.processes)]
+            + [f"process {line}" for line in new_processes]
         )
 
 
 def host_state() -> HostState:
-    return HostState(frozenset(agentenv_netns()), frozenset(host_links()), frozenset(sandbox_processes()))
+    programs = {int(line.split(" ", 1)[0]): line for line in sandbox_processes()}
+    return HostState(frozenset(agentenv_netns()), frozenset(host_links()), programs)
 
 
 def wait_host_clean(before: HostState, timeout: float = 10) -> list[str]:

@@ -1,6 +1,6 @@
 """A real Firecracker microVM: boot from the ``base`` template, snapshot, restore into a second
 VM, both answer envd's /health; nothing of either left afterwards. Needs root, KVM that can boot
-guests (vmx/svm, or PVM with AGENTENV_FIRECRACKER_PVM) and a firecracker binary; skips, printing
+guests (vmx/svm, or PVM with AGENTENV_FIRECRACKER__PVM) and a firecracker binary; skips, printing
 why, elsewhere (the API bodies and memory merging are unit-tested in
 tests/unit/test_firecracker.py)."""
 
@@ -19,8 +19,8 @@ from agentenv.types import SandboxSpec, SnapshotRef, TemplateImage
 pytestmark = [pytest.mark.requires_root("microVMs (netns, tap, /dev/kvm)"), pytest.mark.kvm]
 
 
-def _real_firecracker_reason() -> str | None:
-    reason = FirecrackerRuntime.probe()
+def _real_firecracker_reason(runtime: FirecrackerRuntime) -> str | None:
+    reason = runtime.probe()
     if reason is not None:
         return reason
     rootfs = Path("/var/lib/agentenv/templates/base/rootfs")
@@ -30,14 +30,14 @@ def _real_firecracker_reason() -> str | None:
 
 
 async def test_real_firecracker_boot_snapshot_restore(tmp_path: Path) -> None:
-    reason = _real_firecracker_reason()
+    settings = Settings(data_dir=tmp_path / "data")
+    runtime = FirecrackerRuntime(settings)
+    reason = _real_firecracker_reason(runtime)
     if reason is not None:
         print(f"SKIP real Firecracker: {reason}")
         pytest.skip(reason)
     import httpx
 
-    settings = Settings(data_dir=tmp_path / "data")
-    runtime = FirecrackerRuntime(settings)
     template = TemplateImage("base", Path("/var/lib/agentenv/templates/base/rootfs"), vcpus=1, memory_mb=512)
     suffix = uuid.uuid4().hex[:6]
     spec = SandboxSpec(f"fc{suffix}", template)

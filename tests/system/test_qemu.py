@@ -13,6 +13,7 @@ TCG boots are slow (a python envd starting on an emulated CPU): each VM takes 1-
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -181,6 +182,7 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
             ).stdout
             assert after == before  # same kernel instance (no reboot), same process
             assert rsbx.files.read("/root/state.txt", request_timeout=120) == "before snapshot\n"
+            restored = await _pause_and_resume(runtime, restored, base, parent=snap, before=before)
         finally:
             await runtime.kill(original)
             if restored is not None:
@@ -188,6 +190,30 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
         assert _host_leftovers(qemu_settings, restored_id) == {}
 
     asyncio.run(scenario())
+
+
+async def _pause_and_resume(
+    runtime: QemuRuntime, instance: SandboxInstance, template: TemplateImage, *, parent: SnapshotRef,
+    before: str,
+) -> SandboxInstance:
+    """A pause stops the VM but keeps its network; the resume (a restore under the same id) takes
+    it over: same address, same memory. QEMU snapshots are full: ``parent`` changes nothing."""
+    paths = vm_paths(runtime.settings, instance.sandbox_id)
+    pause = SnapshotRef(unique_id("p"), runtime.settings.data_dir / "snapshots" / "pause", parent=parent)
+    await runtime.snapshot(instance, pause, stop=True)
+    assert json.loads((pause.path / "vm.json").read_text())["accel"] == runtime.accel
+    left = _host_leftovers(runtime.settings, instance.sandbox_id)
+    assert left == {"netns": True, "dir": True}, left  # the VM and its drive went, the network stayed
+    assert not await runtime.is_alive(instance)
+    resumed = await runtime.restore(SandboxSpec(sandbox_id=instance.sandbox_id, template=template), pause)
+    assert (resumed.address, resumed.envd_url) == (instance.address, instance.envd_url)
+    assert resumed.state["network"] == instance.state["network"]
+    after = _envd_sdk(resumed).commands.run(
+        "cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60
+    ).stdout
+    assert after == before
+    assert paths.marker.exists() and not (paths.root / "qemu.json.tmp").exists()
+    return resumed
 
 
 # -- lifecycle through the server: pause/resume, snapshots, fork -------------------------------

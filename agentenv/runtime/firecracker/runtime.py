@@ -156,8 +156,8 @@ def diff_base(state: dict[str, Any], dest: SnapshotRef) -> bool:
     if parent is None:
         return False
     if state.get(DIRTY_SINCE) != parent.snapshot_id:
-        log.info("firecracker snapshot %s: Full, the VM's dirty-page log does not run from %s (but %s)",
-                 dest.snapshot_id, parent.snapshot_id, state.get(DIRTY_SINCE))
+        log.info("firecracker snapshot %s: Full, the VM's dirty pages count from %s, not from its parent %s",
+                 dest.snapshot_id, state.get(DIRTY_SINCE), parent.snapshot_id)
         return False
     try:
         copy_cow(parent.path / SNAPSHOT_MEMORY, dest.path / SNAPSHOT_MEMORY)

@@ -18,10 +18,6 @@ from pathlib import Path
 CONTAINER_PREFIX = "ae-"
 
 
-def container_id(sandbox_id: str) -> str:
-    return CONTAINER_PREFIX + sandbox_id
-
-
 def sandboxes_dir(data_dir: Path) -> Path:
     """The directory holding one scratch directory per sandbox."""
     return data_dir / "sandboxes"
@@ -38,7 +34,7 @@ class SandboxPaths:
 
     @property
     def container_id(self) -> str:
-        return container_id(self.sandbox_id)
+        return CONTAINER_PREFIX + self.sandbox_id
 
     @property
     def upper(self) -> Path:

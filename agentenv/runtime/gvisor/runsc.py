@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -166,7 +167,7 @@ class Runsc:
         while pids := self.processes(paths):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, 9)
+                    os.kill(pid, signal.SIGKILL)
             if time.monotonic() > deadline:
                 raise Failed(f"runsc processes {pids} of sandbox {paths.sandbox_id} do not exit")
             await asyncio.sleep(0.05)
