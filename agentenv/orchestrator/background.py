@@ -32,12 +32,12 @@ class Background:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
-    async def drain(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the running tasks; cancel what is left."""
+    async def drain(self, grace_seconds: float) -> None:
+        """Wait up to ``grace_seconds`` for the running tasks; cancel what is left."""
         pending = list(self._tasks)
         if not pending:
             return
-        _, late = await asyncio.wait(pending, timeout=timeout)
+        _, late = await asyncio.wait(pending, timeout=grace_seconds)
         for task in late:
             task.cancel()
         if late:

@@ -14,23 +14,17 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiosqlite
 
 from agentenv.errors import Failed
 from agentenv.runtime.base import Runtime
 from agentenv.storage import snapshots as storage
-from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
+from agentenv.storage.snapshots import SnapshotKind, SnapshotRow, SnapshotStore
 from agentenv.types import SandboxInstance, SnapshotRef, TemplateImage
 
 log = logging.getLogger(__name__)
-
-#: ``pause``: a paused sandbox's state (deleted on resume/kill); ``snapshot``: a user snapshot;
-#: ``fork``: a fork's one checkpoint (deleted when the fork ends); ``template``: a template's
-#: booted state, which creates from the template restore.
-SnapshotKind = Literal["pause", "snapshot", "fork", "template"]
-
 
 def new_snapshot_id() -> str:
     return "snap" + secrets.token_hex(8)

@@ -33,7 +33,7 @@ from agentenv.config import Settings
 from agentenv.errors import AgentenvError, Conflict, Failed, Gone, Invalid, NotFound, Unavailable
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
-from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotKind, SnapshotMeta
+from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
 from agentenv.orchestrator.envd_client import EnvdClient
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.logs import SandboxLogs
@@ -50,7 +50,7 @@ from agentenv.orchestrator.template_snapshots import TemplateSnapshot, TemplateS
 from agentenv.orchestrator.timing import elapsed_ms, utcnow
 from agentenv.orchestrator.undo import Undo
 from agentenv.runtime.base import Runtime
-from agentenv.storage.snapshots import SnapshotRow
+from agentenv.storage.snapshots import SnapshotKind, SnapshotRow
 from agentenv.types import (
     ENVD_VERSION,
     SandboxInstance,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 from agentenv.config import Settings
 from agentenv.runtime.base import Runtime
 from agentenv.runtime.registry import get_runtime
-from agentenv.types import TemplateImage
+from agentenv.errors import Failed
+from agentenv.types import RUNTIME_NAMES, RuntimeName, TemplateImage
 
 
 class RuntimeSet:
@@ -17,8 +19,11 @@ class RuntimeSet:
         self._by_name: dict[str, Runtime] = {default.name: default}
 
     def named(self, name: str) -> Runtime:
+        """The runtime a record or template names (records keep the name as text)."""
         if name not in self._by_name:
-            self._by_name[name] = get_runtime(name, self._settings)
+            if name not in RUNTIME_NAMES:
+                raise Failed(f"unknown runtime {name!r} recorded; expected one of {', '.join(RUNTIME_NAMES)}")
+            self._by_name[name] = get_runtime(cast(RuntimeName, name), self._settings)
         return self._by_name[name]
 
     def for_template(self, image: TemplateImage) -> Runtime:

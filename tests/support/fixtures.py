@@ -75,10 +75,7 @@ def _cleanup_runtimes(settings: Settings) -> list[str]:
 
     leaked: list[str] = []
     for name in runtime_names():
-        try:
-            runtime = get_runtime(name, settings)
-        except ImportError:  # runtime not written (yet)
-            continue
+        runtime = get_runtime(name, settings)
         if runtime.probe() is None:
             leaked += asyncio.run(runtime.cleanup_orphans(set()))
     return leaked

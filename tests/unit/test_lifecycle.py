@@ -1,0 +1,145 @@
+"""The lifecycle owner's state machine and undo list, with the loopback runtime (no root)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from agentenv.config import Settings
+from agentenv.errors import Conflict, Failed, NotFound
+from agentenv.orchestrator.lifecycle import EDGES, STARTS_FROM, CreateRequest, Orchestrator, build_orchestrator
+from agentenv.orchestrator.undo import Undo
+from agentenv.types import SandboxState
+from tests.support.loopback import LoopbackRuntime, write_template
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TRANSIENT = {SandboxState.CREATING, SandboxState.PAUSING, SandboxState.RESUMING, SandboxState.KILLING}
+
+
+async def test_every_state_has_edges_and_every_live_state_can_end_killed() -> None:
+    assert set(EDGES) == set(SandboxState)
+    for state in SandboxState:
+        seen, frontier = {state}, [state]
+        while frontier:
+            for nxt in EDGES[frontier.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    frontier.append(nxt)
+        assert SandboxState.KILLED in seen, f"{state} can never end killed"
+
+
+async def test_operations_start_only_from_states_seen_under_the_lock() -> None:
+    for op, states in STARTS_FROM.items():
+        assert states and not states & TRANSIENT, op
+        assert SandboxState.KILLED not in states, op
+
+
+async def test_undo_runs_newest_first_and_past_a_failing_step() -> None:
+    done: list[str] = []
+
+    async def step(name: str) -> None:
+        done.append(name)
+        if name == "b":
+            raise OSError("b cannot be undone")
+
+    undo = Undo("test")
+    for name in "abc":
+        undo.push(name, lambda n=name: step(n))
+    await undo.rollback()
+    assert done == ["c", "b", "a"]
+    await undo.rollback()  # nothing twice
+    assert done == ["c", "b", "a"]
+
+
+async def test_a_committed_undo_undoes_nothing() -> None:
+    done: list[str] = []
+
+    async def record() -> None:
+        done.append("x")
+
+    undo = Undo("test")
+    undo.push("x", record)
+    undo.commit()
+    await undo.rollback()
+    assert done == []
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def orchestrator(tmp_path: Path) -> AsyncIterator[tuple[Orchestrator, LoopbackRuntime]]:
+    write_template(tmp_path / "templates")
+    settings = Settings(data_dir=tmp_path / "data", templates_path=tmp_path / "templates",
+                        template_snapshots=False, warm_pool_high=0)
+    runtime = LoopbackRuntime(settings)
+    orch = build_orchestrator(settings, runtime)
+    await orch.start()
+    yield orch, runtime
+    await orch.close()
+    await runtime.close()
+
+
+def request(template_id: str = "base") -> CreateRequest:
+    return CreateRequest(template_id=template_id, timeout_seconds=60, metadata={"k": "v"}, envs={},
+                         secure=False, allow_internet_access=True)
+
+
+async def test_create_kill_and_the_states_recorded(orchestrator: tuple[Orchestrator, LoopbackRuntime]) -> None:
+    orch, runtime = orchestrator
+    rec = await orch.create(request())
+    assert rec.state == SandboxState.RUNNING and rec.origin == "boot"
+    assert orch.route(rec.sandbox_id) is not None
+    stored = await orch.store.get(rec.sandbox_id)
+    assert stored is not None and stored.state == SandboxState.RUNNING
+    await orch.kill(rec.sandbox_id)
+    stored = await orch.store.get(rec.sandbox_id)
+    assert stored is not None and stored.state == SandboxState.KILLED
+    assert orch.route(rec.sandbox_id) is None and rec.sandbox_id in runtime.killed
+    with pytest.raises(NotFound):
+        await orch.kill(rec.sandbox_id)
+
+
+async def test_operations_from_the_wrong_state_conflict(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
+    orch, _ = orchestrator
+    rec = await orch.create(request())
+    with pytest.raises(Conflict, match="already running"):
+        await orch.resume(rec.sandbox_id, 60)
+    await orch.kill(rec.sandbox_id)
+
+
+async def test_an_illegal_edge_is_refused(orchestrator: tuple[Orchestrator, LoopbackRuntime]) -> None:
+    orch, _ = orchestrator
+    rec = await orch.create(request())
+    with pytest.raises(Failed, match="no transition from running to resuming"):
+        await orch._enter(rec, SandboxState.RESUMING)
+    assert (await orch.get(rec.sandbox_id)).state == SandboxState.RUNNING
+    await orch.kill(rec.sandbox_id)
+
+
+async def test_a_failed_create_is_undone(tmp_path: Path) -> None:
+    write_template(tmp_path / "templates")
+    settings = Settings(data_dir=tmp_path / "data", templates_path=tmp_path / "templates",
+                        template_snapshots=False, warm_pool_high=0)
+    runtime = LoopbackRuntime(settings, fail_create=True)
+    orch = build_orchestrator(settings, runtime)
+    await orch.start()
+    try:
+        with pytest.raises(Failed, match="sandbox creation failed: injected create failure"):
+            await orch.create(request())
+        assert not runtime.servers  # the half-made instance was killed
+        [rec] = await orch.store.in_states((SandboxState.KILLED,))
+        messages = [ln.message for ln in await orch.store.logs(rec.sandbox_id, start=None, limit=10)]
+        assert any("sandbox creation failed" in m for m in messages)
+    finally:
+        await orch.close()
+        await runtime.close()
+
+
+async def test_an_unknown_template_is_not_found(orchestrator: tuple[Orchestrator, LoopbackRuntime]) -> None:
+    orch, _ = orchestrator
+    with pytest.raises(NotFound, match="template 'nope' not found"):
+        await orch.create(request("nope"))
