@@ -113,16 +113,15 @@ class SnapshotCatalog:
 
     # -- reading -----------------------------------------------------------------------------
 
-    async def ref(self, row: SnapshotRow) -> SnapshotRef:
-        """Where the snapshot lies, with the chain of snapshots it is incremental to."""
-        parent = None
-        if row.parent_id:
-            parent_row = await self.store.get(row.parent_id)
-            if parent_row is None:
-                raise Failed(f"snapshot {row.snapshot_id} is incremental to {row.parent_id}, which is gone")
-            parent = await self.ref(parent_row)
-        own = self.store.ref(row)
-        return SnapshotRef(snapshot_id=own.snapshot_id, path=own.path, parent=parent)
+    def ref(self, row: SnapshotRow) -> SnapshotRef:
+        """Where the snapshot lies. Every snapshot directory is complete on its own (an incremental
+        one was merged onto a copy of its parent when taken), so a restore needs no parent."""
+        return self.store.ref(row)
+
+    async def parent_for(self, snapshot_id: str | None) -> SnapshotRef | None:
+        """The snapshot a new one may be incremental to, if it still exists."""
+        row = await self.store.get(snapshot_id) if snapshot_id else None
+        return self.store.ref(row) if row is not None else None
 
     async def get(self, snapshot_id: str) -> SnapshotRow | None:
         return await self.store.get(snapshot_id)

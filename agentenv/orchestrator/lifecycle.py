@@ -441,7 +441,7 @@ class Orchestrator:
         if isinstance(source, Boot):
             return await runtime.create(spec)
         if isinstance(source, Restore):
-            return await runtime.restore(spec, await self.catalog.ref(source.row))
+            return await runtime.restore(spec, self.catalog.ref(source.row))
         return source.instance
 
     async def _go_live(self, rec: SandboxRecord, timeout_seconds: int) -> None:
@@ -476,7 +476,7 @@ class Orchestrator:
             traffic_access_token=None if req.allow_public_traffic else new_access_token(),
             allow_internet_access=req.allow_internet_access, auto_pause=req.auto_pause,
             auto_resume=req.auto_resume, network=dict(req.network or {}), origin=origin,
-            restored_from=restored_from,
+            restored_from=restored_from, memory_base=restored_from,
         )
 
     def _from_snapshot_record(
@@ -668,8 +668,9 @@ class Orchestrator:
         """Bring ``rec`` back from ``row`` with its own id, address and network (resume, a fork's
         parent, recovery's revive)."""
         rec.instance = await self._runtime(rec).restore(
-            self._spec(rec, self._image_of(rec, row)), await self.catalog.ref(row)
+            self._spec(rec, self._image_of(rec, row)), self.catalog.ref(row)
         )
+        rec.memory_base = row.snapshot_id
         await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
 
     def _image_of(self, rec: SandboxRecord, row: SnapshotRow) -> TemplateImage:
@@ -688,7 +689,8 @@ class Orchestrator:
         """Snapshot ``rec`` (caller holds its lock), commit it and add its row."""
         assert rec.instance is not None
         started = time.monotonic()
-        ref = await self.catalog.write(self._runtime(rec), rec.instance, stop=stop)
+        parent = await self.catalog.parent_for(rec.memory_base)
+        ref = await self.catalog.write(self._runtime(rec), rec.instance, stop=stop, parent=parent)
         meta = SnapshotMeta(
             template_rootfs=rec.instance.state.get("template_rootfs"), cpu_count=rec.cpu_count,
             memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, envs=rec.envs, metadata=rec.metadata,
@@ -697,8 +699,10 @@ class Orchestrator:
         row = SnapshotRow(
             snapshot_id=ref.snapshot_id, kind=kind, source_sandbox_id=rec.sandbox_id, runtime=rec.runtime,
             template_id=rec.template_id, created_at=utcnow(), name=name, info=meta.info(),
+            parent_id=parent.snapshot_id if parent else None,
         )
         await self.catalog.add(row)
+        rec.memory_base = row.snapshot_id
         await self.logs.event(rec.sandbox_id, "info", f"{kind} snapshot {ref.snapshot_id} taken",
                               duration_ms=str(meta.duration_ms))
         return row

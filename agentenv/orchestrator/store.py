@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     origin TEXT NOT NULL DEFAULT 'boot',
     restored_from TEXT,
     pause_snapshot TEXT,
+    memory_base TEXT,
     log_offsets TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
@@ -69,6 +70,7 @@ ADDED_COLUMNS = (
     ("origin", "TEXT NOT NULL DEFAULT 'boot'"),
     ("restored_from", "TEXT"),
     ("pause_snapshot", "TEXT"),
+    ("memory_base", "TEXT"),
     ("log_offsets", "TEXT NOT NULL DEFAULT '{}'"),
 )
 
@@ -121,6 +123,9 @@ class SandboxRecord:
     restored_from: str | None = None
     #: While paused: the snapshot its resume restores.
     pause_snapshot: str | None = None
+    #: The snapshot the sandbox's memory was last written to or restored from: the parent a
+    #: runtime with incremental memory snapshots (Firecracker ``Diff``) takes the next one against.
+    memory_base: str | None = None
     #: Bytes of each runtime log file already moved into the sandbox's logs.
     log_offsets: dict[str, int] = field(default_factory=dict)
     seq: int = 0
@@ -130,7 +135,7 @@ _COLUMNS = (
     "sandbox_id", "template_id", "alias", "client_id", "metadata", "envs", "state", "started_at",
     "end_at", "cpu_count", "memory_mb", "disk_mb", "runtime", "instance", "envd_version",
     "envd_access_token", "traffic_access_token", "allow_internet_access", "auto_pause",
-    "auto_resume", "network", "origin", "restored_from", "pause_snapshot", "log_offsets",
+    "auto_resume", "network", "origin", "restored_from", "pause_snapshot", "memory_base", "log_offsets",
 )
 
 
@@ -143,7 +148,7 @@ def _to_row(rec: SandboxRecord) -> tuple[Any, ...]:
         rec.envd_access_token, rec.traffic_access_token,
         None if rec.allow_internet_access is None else int(rec.allow_internet_access),
         int(rec.auto_pause), int(rec.auto_resume), json.dumps(rec.network), rec.origin,
-        rec.restored_from, rec.pause_snapshot, json.dumps(rec.log_offsets),
+        rec.restored_from, rec.pause_snapshot, rec.memory_base, json.dumps(rec.log_offsets),
     )
 
 
@@ -176,6 +181,7 @@ def _from_row(row: aiosqlite.Row) -> SandboxRecord:
         origin=cast(Origin, row["origin"]),
         restored_from=row["restored_from"],
         pause_snapshot=row["pause_snapshot"],
+        memory_base=row["memory_base"],
         log_offsets=json.loads(row["log_offsets"]),
     )
 

@@ -133,7 +133,7 @@ class TemplateSnapshots:
         (a claim's ``/init`` sets them)."""
         snap = self._known[key]
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image)
-        return await snap.runtime.restore(spec, await self._catalog.ref(snap.row))
+        return await snap.runtime.restore(spec, self._catalog.ref(snap.row))
 
     async def _kill_pooled(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)

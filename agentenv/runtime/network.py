@@ -46,19 +46,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import ipaddress
 import os
 import re
 import subprocess
 import weakref
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from agentenv.config import Settings
 from agentenv.errors import Failed, Invalid, Unavailable
+from agentenv.storage.atomic import exclusive
 
 NETNS_PREFIX = "ae-"
 HOST_IF_PREFIX = "aeh"
@@ -310,16 +309,6 @@ def _restore_queue() -> _RestoreQueue:
     return queue
 
 
-@contextlib.contextmanager
-def _global_lock() -> Iterator[None]:
-    with open(GLOBAL_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 #: (table, hook chain, rule) of the jumps into the AGENTENV chains.
 HOOKS: list[tuple[str, str, tuple[str, ...]]] = [
     ("filter", "INPUT", ("-i", HOST_IF_PREFIX + "+", "-j", CHAIN)),
@@ -339,7 +328,7 @@ def _ensure_chains_locked() -> None:
     def iptables(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["iptables", "-w", "10", *args], capture_output=True, text=True)
 
-    with _global_lock():
+    with exclusive(GLOBAL_LOCK):
         for table in ("filter", "nat"):
             proc = iptables("-t", table, "-N", CHAIN)
             if proc.returncode != 0 and "exists" not in proc.stderr:

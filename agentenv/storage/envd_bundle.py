@@ -28,8 +28,6 @@ PYTHONHOME pointing at the bundle would break the template's own python).
 from __future__ import annotations
 
 import compileall
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -40,12 +38,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.storage import compat_libs
+from agentenv.storage.atomic import exclusive
 from agentenv.storage.compat_libs import build_statx_compat
 from agentenv.types import DEFAULT_PATH, ENVD_PORT
 
@@ -184,7 +182,7 @@ def build_envd_bundle(settings: Settings) -> Path:
     if (final / "manifest.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive(root / ".lock"):
+    with exclusive(root / ".lock"):
         if (final / "manifest.json").is_file():  # another process built it meanwhile
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".build-{digest}-", dir=root))
@@ -200,16 +198,6 @@ def build_envd_bundle(settings: Settings) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
