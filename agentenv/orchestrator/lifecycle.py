@@ -703,6 +703,7 @@ class Orchestrator:
         )
         await self.catalog.add(row)
         rec.memory_base = row.snapshot_id
+        await self.store.save(rec)
         await self.logs.event(rec.sandbox_id, "info", f"{kind} snapshot {ref.snapshot_id} taken",
                               duration_ms=str(meta.duration_ms))
         return row

@@ -116,12 +116,18 @@ class LoopbackRuntime(Runtime):
 
     name = "loopback"  # type: ignore[assignment]  # a test runtime, not one of RUNTIME_NAMES
 
-    def __init__(self, settings: Settings | None = None, *, fail_create: bool = False) -> None:
+    def __init__(
+        self, settings: Settings | None = None, *, fail_create: bool = False, snapshots: bool = True
+    ) -> None:
         super().__init__(settings or Settings())
         self.servers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = {}
         self.seen: dict[str, Upstream] = {}
         self.killed: list[str] = []
         self.fail_create = fail_create
+        self.snapshots_supported = snapshots
+        #: (sandbox id, where, stop) of every snapshot, and (sandbox id, source) of every restore.
+        self.snapshots: list[tuple[str, SnapshotRef, bool]] = []
+        self.restores: list[tuple[str, SnapshotRef]] = []
         self._next = secrets.randbelow(200) * 250
 
     def probe(self) -> str | None:
@@ -147,7 +153,7 @@ class LoopbackRuntime(Runtime):
             raise Failed("injected create failure")
         return SandboxInstance(sandbox_id=spec.sandbox_id, runtime=self.name,
                                envd_url=f"http://{address}:{ENVD_PORT}", address=address,
-                               state={"address": address})
+                               state={"address": address, "template_rootfs": str(spec.template.rootfs)})
 
     async def kill(self, instance: SandboxInstance) -> None:
         entry = self.servers.pop(instance.sandbox_id, None)
@@ -171,10 +177,21 @@ class LoopbackRuntime(Runtime):
         return gone
 
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
-        raise NotSupported("the loopback test runtime has no snapshots")
+        """Records what it was asked (the orchestrator's side of snapshots is what is tested):
+        a marker file in ``dest`` and the request in :attr:`snapshots`; ``stop`` stops the upstream."""
+        if not self.snapshots_supported:
+            raise NotSupported("this loopback test runtime has no snapshots")
+        dest.path.mkdir(parents=True, exist_ok=True)
+        (dest.path / "loopback.json").write_text(json.dumps({"source": instance.sandbox_id}))
+        self.snapshots.append((instance.sandbox_id, dest, stop))
+        if stop:
+            await self.kill(instance)
 
     async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
-        raise NotSupported("the loopback test runtime has no snapshots")
+        if not (source.path / "loopback.json").is_file():
+            raise NotSupported(f"{source.snapshot_id} is not a loopback snapshot")
+        self.restores.append((spec.sandbox_id, source))
+        return await self.create(spec)
 
     async def close(self) -> None:
         for sid in list(self.servers):

@@ -11,6 +11,7 @@ import pytest_asyncio
 from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed, NotFound
 from agentenv.orchestrator.lifecycle import EDGES, STARTS_FROM, CreateRequest, Orchestrator, build_orchestrator
+from agentenv.orchestrator.timing import utcnow
 from agentenv.orchestrator.undo import Undo
 from agentenv.types import SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
@@ -143,3 +144,72 @@ async def test_an_unknown_template_is_not_found(orchestrator: tuple[Orchestrator
     orch, _ = orchestrator
     with pytest.raises(NotFound, match="template 'nope' not found"):
         await orch.create(request("nope"))
+
+
+async def test_pause_resume_keep_the_id_and_move_through_the_states(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
+    orch, runtime = orchestrator
+    rec = await orch.create(request())
+    await orch.pause(rec.sandbox_id)
+    paused = await orch.get(rec.sandbox_id)
+    assert paused.state == SandboxState.PAUSED and paused.pause_snapshot is not None
+    assert orch.route(rec.sandbox_id) is None
+    with pytest.raises(Conflict, match="already paused"):
+        await orch.pause(rec.sandbox_id)
+    resumed, was_paused = await orch.connect(rec.sandbox_id, 60)
+    assert was_paused and resumed.state == SandboxState.RUNNING and resumed.pause_snapshot is None
+    assert await orch.catalog.get(paused.pause_snapshot) is None  # a resumed pause snapshot is gone
+    assert runtime.restores[-1][0] == rec.sandbox_id
+    await orch.kill(rec.sandbox_id)
+
+
+async def test_each_snapshot_names_the_previous_one_as_its_parent(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
+    """The Diff-snapshot path needs ``SnapshotRef.parent``: the snapshot the sandbox's memory was
+    last written to or restored from, while it still exists."""
+    orch, runtime = orchestrator
+    rec = await orch.create(request())
+    first = await orch.create_snapshot(rec.sandbox_id, "first")
+    second = await orch.create_snapshot(rec.sandbox_id, None)
+    await orch.pause(rec.sandbox_id)
+    parents = [dest.parent.snapshot_id if dest.parent else None
+               for sid, dest, _ in runtime.snapshots if sid == rec.sandbox_id]
+    assert parents == [None, first.snapshot_id, second.snapshot_id]
+    assert second.parent_id == first.snapshot_id
+    await orch.resume(rec.sandbox_id, 60)
+    await orch.delete_snapshot(second.snapshot_id)
+    await orch.create_snapshot(rec.sandbox_id, None)  # its base (the pause snapshot) is gone: full
+    assert runtime.snapshots[-1][1].parent is None
+    child = await orch.create(request(first.snapshot_id))
+    assert child.restored_from == first.snapshot_id and child.origin == "snapshot"
+    await orch.create_snapshot(child.sandbox_id, None)  # incremental to what it was restored from
+    last = runtime.snapshots[-1][1].parent
+    assert last is not None and last.snapshot_id == first.snapshot_id
+    for sid in (rec.sandbox_id, child.sandbox_id):
+        await orch.kill(sid)
+
+
+async def test_fork_children_are_independent_and_their_timeout_starts_when_handed_back(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
+    orch, runtime = orchestrator
+    parent = await orch.create(request())
+    outcomes = await orch.fork(parent.sandbox_id, 3, 30)
+    children = [o.record for o in outcomes]
+    assert all(c is not None and c.origin == "fork" for c in children), [o.error for o in outcomes]
+    ids = {c.sandbox_id for c in children if c}
+    assert len(ids) == 3 and parent.sandbox_id not in ids
+    returned = utcnow()
+    for child in children:
+        assert child is not None
+        stored = await orch.get(child.sandbox_id)
+        assert stored.state == SandboxState.RUNNING and stored.metadata == {"k": "v"}
+        # counted from the end of the call, not from each child's own restore
+        assert abs((stored.end_at - returned).total_seconds() - 30) < 2
+    assert (await orch.get(parent.sandbox_id)).state == SandboxState.RUNNING
+    assert orch.route(parent.sandbox_id) is not None
+    assert await orch.catalog.rows("fork") == []  # the fork's one checkpoint is gone
+    for sid in ids | {parent.sandbox_id}:
+        await orch.kill(sid)
