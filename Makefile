@@ -8,7 +8,9 @@ AGENTENV := .venv/bin/agentenv
 # One lint recipe for `make lint` and `make test`.
 define LINT
 .venv/bin/ruff check agentenv tests bench
+.venv/bin/ruff format --check agentenv tests bench
 .venv/bin/mypy agentenv
+.venv/bin/lint-imports --no-cache
 endef
 
 bootstrap:

@@ -32,8 +32,16 @@ def runsc_cold_baseline(rootfs: Path, runs: int) -> list[float]:
         (bundle / "config.json").write_text(json.dumps(spec))
         for _ in range(runs):
             cid = "ae-bench-" + uuid.uuid4().hex[:10]
-            cmd = ["runsc", "--root", str(bundle / "state"), "--network=none", "run",
-                   "--bundle", str(bundle), cid]
+            cmd = [
+                "runsc",
+                "--root",
+                str(bundle / "state"),
+                "--network=none",
+                "run",
+                "--bundle",
+                str(bundle),
+                cid,
+            ]
             samples.append(timed(lambda c=cmd: subprocess.run(c, check=True, capture_output=True)))
     return samples
 
@@ -42,8 +50,13 @@ def one_sandbox_session(commands: int) -> dict[str, list[float]]:
     """Create, first command, `commands` round trips, 1 MiB write+read, kill; seconds each."""
     from e2b import Sandbox
 
-    out: dict[str, list[float]] = {"create_to_first_command": [], "command_round_trip": [],
-                                   "file_write_1mib": [], "file_read_1mib": [], "kill": []}
+    out: dict[str, list[float]] = {
+        "create_to_first_command": [],
+        "command_round_trip": [],
+        "file_write_1mib": [],
+        "file_read_1mib": [],
+        "kill": [],
+    }
     import time
 
     start = time.perf_counter()

@@ -49,8 +49,9 @@ def serve(runtime: str = "auto", extra_env: dict[str, str] | None = None) -> Ite
     free port, a throw-away data dir and the shared template cache; afterwards every sandbox is
     killed, the server stopped and the data dir removed (tests/support/server.py, which the system
     tests use too). Its log: ``server.log_path``."""
-    with server_process(prefix="agentenv-bench-", runtime=runtime, extra_env=extra_env,
-                        defaults={}) as server:
+    with server_process(
+        prefix="agentenv-bench-", runtime=runtime, extra_env=extra_env, defaults={}
+    ) as server:
         yield server
 
 

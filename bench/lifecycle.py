@@ -69,9 +69,13 @@ def run(server_url: str, api_key: str, runs: int, server_log: Path | None = None
     opts = _sdk(server_url, api_key)
     samples: dict[str, list[float]] = {
         "cold_create_to_first_command": _cold_baseline(runs),
-        "template_create_warm_pool_to_first_command": [], "template_create_to_first_command": [],
-        "create_from_snapshot_to_first_command": [], "pause": [], "resume_to_first_command": [],
-        "snapshot_after_100mib_write": [], "fork16_to_all_answering": [],
+        "template_create_warm_pool_to_first_command": [],
+        "template_create_to_first_command": [],
+        "create_from_snapshot_to_first_command": [],
+        "pause": [],
+        "resume_to_first_command": [],
+        "snapshot_after_100mib_write": [],
+        "fork16_to_all_answering": [],
     }
     errors: list[str] = []
     pooled = 0
@@ -108,6 +112,7 @@ def run(server_url: str, api_key: str, runs: int, server_log: Path | None = None
             samples["resume_to_first_command"].append(time.perf_counter() - start)
 
             resumed.commands.run("head -c 104857600 /dev/urandom > /home/user/blob")
+
             def snapshot_and_drop(sbx: Any = resumed) -> None:
                 info = sbx.create_snapshot()
                 Sandbox.delete_snapshot(info.snapshot_id, **opts)  # type: ignore[arg-type]
@@ -136,16 +141,19 @@ def run(server_url: str, api_key: str, runs: int, server_log: Path | None = None
         "ratios_to_cold_p50": _ratios(summary),
         "errors": errors,
         "notes": "runtime gvisor (runsc 2022-12, ptrace); cold = a server without template snapshots; "
-                 "template creates claim a warm-pool sandbox (restored from the template's snapshot); "
-                 "fork runs limited by AGENTENV_BENCH_FORK_RUNS (default 3)",
+        "template creates claim a warm-pool sandbox (restored from the template's snapshot); "
+        "fork runs limited by AGENTENV_BENCH_FORK_RUNS (default 3)",
     }
 
 
 def _ratios(summary: dict[str, dict[str, float | int]]) -> dict[str, float]:
     """Each operation's p50 as a fraction of the cold create's p50 measured in the same run."""
     cold = float(summary["cold_create_to_first_command"]["p50_ms"])
-    return {name: round(float(s["p50_ms"]) / cold, 4) for name, s in summary.items()
-            if name != "cold_create_to_first_command" and "p50_ms" in s}
+    return {
+        name: round(float(s["p50_ms"]) / cold, 4)
+        for name, s in summary.items()
+        if name != "cold_create_to_first_command" and "p50_ms" in s
+    }
 
 
 def main() -> None:

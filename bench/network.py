@@ -83,8 +83,11 @@ async def run(runs: int, count: int) -> dict[str, object]:
                 nets = []
                 start = time.perf_counter()
                 for i, sid in enumerate(ids):
-                    nets.append(await _timed(seq_setup, network.setup_network(
-                        settings, sid, allow_internet_access=i % 2 == 0)))
+                    nets.append(
+                        await _timed(
+                            seq_setup, network.setup_network(settings, sid, allow_internet_access=i % 2 == 0)
+                        )
+                    )
                 seq_setup_batch.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 for net in nets:
@@ -93,16 +96,25 @@ async def run(runs: int, count: int) -> dict[str, object]:
 
                 ids = [f"bp{uuid.uuid4().hex[:10]}" for _ in range(count)]
                 start = time.perf_counter()
-                nets = list(await asyncio.gather(*(
-                    _timed(par_setup, network.setup_network(settings, sid, allow_internet_access=i % 2 == 0))
-                    for i, sid in enumerate(ids)
-                )))
+                nets = list(
+                    await asyncio.gather(
+                        *(
+                            _timed(
+                                par_setup,
+                                network.setup_network(settings, sid, allow_internet_access=i % 2 == 0),
+                            )
+                            for i, sid in enumerate(ids)
+                        )
+                    )
+                )
                 par_setup_batch.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                await asyncio.gather(*(
-                    _timed(par_teardown, network.teardown_network(settings, net.sandbox_id, net))
-                    for net in nets
-                ))
+                await asyncio.gather(
+                    *(
+                        _timed(par_teardown, network.teardown_network(settings, net.sandbox_id, net))
+                        for net in nets
+                    )
+                )
                 par_teardown_batch.append(time.perf_counter() - start)
         finally:
             await network.cleanup_orphans(settings, set())

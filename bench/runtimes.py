@@ -39,8 +39,13 @@ QEMU_COLD_RUNS = 3
 QEMU_ROUNDS = 10
 FORK_COUNT = 2
 OPERATIONS = (
-    "cold_create_to_first_command", "pause", "resume_to_first_command", "snapshot",
-    "create_from_snapshot_to_first_command", "fork2_to_all_answering", "kill",
+    "cold_create_to_first_command",
+    "pause",
+    "resume_to_first_command",
+    "snapshot",
+    "create_from_snapshot_to_first_command",
+    "fork2_to_all_answering",
+    "kill",
 )
 #: Same settings for both servers (see the module docstring).
 SERVER_ENV = {"AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
@@ -89,6 +94,7 @@ def _round(parent: Any, opts: dict[str, Any], samples: Samples) -> Any:
     parent = _clocked(samples, "resume_to_first_command", resume)
     snap = _clocked(samples, "snapshot", parent.create_snapshot)
     try:
+
         def create_from_snapshot() -> Any:
             child = Sandbox.create(snap.snapshot_id, timeout=900, **opts)
             _run_cmd(child)
@@ -159,8 +165,11 @@ def _phase_report(found: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         f"qemu_{what}_p50_ms": ", ".join(f"{name} {stats(v)['p50_ms']:.0f}" for name, v in phases.items())
         for what, phases in found.items()
     }
-    full = [{"operation": what, "phase": name, **stats(v)}
-            for what, phases in found.items() for name, v in phases.items()]
+    full = [
+        {"operation": what, "phase": name, **stats(v)}
+        for what, phases in found.items()
+        for name, v in phases.items()
+    ]
     return {**lines, "qemu_phases": full}
 
 
@@ -178,8 +187,12 @@ def measure(runtime: str, cold_runs: int, rounds: int) -> dict[str, Any]:
     errors: list[str] = []
     with serve(runtime=runtime, extra_env=SERVER_ENV) as server:
         data_dir = server.data_dir
-        opts: dict[str, Any] = {"api_key": server.api_key, "api_url": server.url,
-                                "sandbox_url": server.url, "request_timeout": REQUEST_TIMEOUT}
+        opts: dict[str, Any] = {
+            "api_key": server.api_key,
+            "api_url": server.url,
+            "sandbox_url": server.url,
+            "request_timeout": REQUEST_TIMEOUT,
+        }
         for _ in range(cold_runs):
             try:
                 _cold(opts, samples)
@@ -204,8 +217,10 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, object]:
         },
         **measured["qemu"]["phases"],
         "errors": {name: measured[name]["errors"] for name in RUNTIMES},
-        **{f"runs_{name}": f"{cold} cold creates, {rounds} lifecycle rounds (fork {FORK_COUNT})"
-           for name, (cold, rounds) in counts.items()},
+        **{
+            f"runs_{name}": f"{cold} cold creates, {rounds} lifecycle rounds (fork {FORK_COUNT})"
+            for name, (cold, rounds) in counts.items()
+        },
         "notes": "gVisor: runsc 2022-12, ptrace platform; QEMU: -M microvm under TCG (no vmx/svm), "
-                 "512 MiB guest; both servers with template snapshots and warm pools off",
+        "512 MiB guest; both servers with template snapshots and warm pools off",
     }

@@ -38,7 +38,7 @@ def _pvm_requested() -> bool:
 def kvm_missing() -> str | None:
     """Why hardware-virtualised guests cannot run here (None when they can)."""
     try:
-        from agentenv.runtime.registry import kvm_unusable_reason
+        from agentenv.runtime.kvm import kvm_unusable_reason
     except ImportError as exc:
         return f"cannot check KVM: {exc}"
     return kvm_unusable_reason(pvm=_pvm_requested())

@@ -36,10 +36,20 @@ from agentenv.types import ENVD_PORT
 log = logging.getLogger(__name__)
 
 #: Hop-by-hop headers (RFC 9110 7.6.1) plus the ones the proxy sets itself.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "transfer-encoding", "upgrade", "host",
-})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
 #: Routing headers that mean nothing to the sandbox.
 ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-access-token"})
 #: envd operations marked ``x-internal`` in envd.yaml: only the orchestrator may call them, over
@@ -121,9 +131,7 @@ def forward_headers(scope: Scope, target: Target) -> list[tuple[str, str]]:
 
 
 def response_headers(resp: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [
-        (k.lower(), v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP
-    ]
+    return [(k.lower(), v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
 
 
 async def send_error(send: Send, code: int, message: str, sandbox_id: str | None = None) -> None:
@@ -131,16 +139,18 @@ async def send_error(send: Send, code: int, message: str, sandbox_id: str | None
     if sandbox_id:
         body["sandboxId"] = sandbox_id
     data = json.dumps(body).encode()
-    await send({
-        "type": "http.response.start",
-        "status": code,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(data)).encode()),
-            # Answers of the proxy itself are final; nothing gets better by retrying.
-            (b"should-retry", b"false"),
-        ],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": code,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                # Answers of the proxy itself are final; nothing gets better by retrying.
+                (b"should-retry", b"false"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
@@ -201,8 +211,9 @@ class SandboxProxy:
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=30.0),
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128,
-                                    keepalive_expiry=30.0),
+                limits=httpx.Limits(
+                    max_connections=1024, max_keepalive_connections=128, keepalive_expiry=30.0
+                ),
                 follow_redirects=False,
                 trust_env=False,  # sandbox traffic never goes through a host proxy
             )
@@ -331,11 +342,13 @@ class SandboxProxy:
         self, response: httpx.Response, send: Send, down: _Downstream, watcher: asyncio.Future[None] | None
     ) -> None:
         async def pump() -> None:
-            await send({
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": response_headers(response),
-            })
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": response_headers(response),
+                }
+            )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -367,11 +380,9 @@ class SandboxProxy:
             return
         route, refusal = self._resolve(scope, target)
         if refusal or route is None:
-            await send({"type": "websocket.close", "code": 1011,
-                        "reason": (refusal or (502, ""))[1][:120]})
+            await send({"type": "websocket.close", "code": 1011, "reason": (refusal or (502, ""))[1][:120]})
             return
-        headers = [(k, v) for k, v in forward_headers(scope, target)
-                   if not k.startswith("sec-websocket-")]
+        headers = [(k, v) for k, v in forward_headers(scope, target) if not k.startswith("sec-websocket-")]
         try:
             upstream = await websockets.connect(
                 self._url(scope, route, target.port, scheme="ws"),
@@ -383,8 +394,9 @@ class SandboxProxy:
             )
         except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
             log.debug("websocket to %s:%s failed: %s", target.sandbox_id, target.port, exc)
-            await send({"type": "websocket.close", "code": 1011,
-                        "reason": self._unreachable(target)[1][:120]})
+            await send(
+                {"type": "websocket.close", "code": 1011, "reason": self._unreachable(target)[1][:120]}
+            )
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
         await _relay_websocket(receive, send, upstream)

@@ -56,20 +56,21 @@ async def pause(sandbox_id: str, orch: Orch, body: SandboxPauseRequest | None = 
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
-async def resume(request: Request, sandbox_id: str, orch: Orch,
-                 body: ResumedSandbox | None = None) -> JSONResponse:
+async def resume(
+    request: Request, sandbox_id: str, orch: Orch, body: ResumedSandbox | None = None
+) -> JSONResponse:
     timeout = check_timeout(body.timeout if body else 15)
     rec = await orch.resume(normalise_sandbox_id(sandbox_id), timeout)
-    return JSONResponse(sandbox_body(rec, public_domain(request)),
-                        status_code=201)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
 
 
 # -- snapshots ---------------------------------------------------------------------------------
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
-async def create_snapshot(sandbox_id: str, orch: Orch,
-                          body: SandboxSnapshotRequest | None = None) -> JSONResponse:
+async def create_snapshot(
+    sandbox_id: str, orch: Orch, body: SandboxSnapshotRequest | None = None
+) -> JSONResponse:
     row = await orch.create_snapshot(normalise_sandbox_id(sandbox_id), body.name if body else None)
     return JSONResponse(snapshot_info(row), status_code=201)
 
@@ -84,7 +85,7 @@ async def list_snapshots(
 ) -> JSONResponse:
     rows = await orch.list_snapshots(normalise_sandbox_id(sandbox_id) if sandbox_id else None, name)
     start = int(next_token) if next_token and next_token.isdigit() else 0
-    page = rows[start:start + limit]
+    page = rows[start : start + limit]
     headers = {"x-next-token": str(start + limit)} if start + limit < len(rows) else {}
     return JSONResponse([snapshot_info(r) for r in page], headers=headers)
 
@@ -100,8 +101,9 @@ async def delete_snapshot(template_id: str, orch: Orch) -> Response:
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-async def fork(request: Request, sandbox_id: str, orch: Orch,
-               body: SandboxForkRequest | None = None) -> JSONResponse:
+async def fork(
+    request: Request, sandbox_id: str, orch: Orch, body: SandboxForkRequest | None = None
+) -> JSONResponse:
     req = body or SandboxForkRequest.model_validate({})
     outcomes = await orch.fork(normalise_sandbox_id(sandbox_id), req.count, check_timeout(req.timeout))
     domain = public_domain(request)

@@ -167,7 +167,9 @@ async def _create(
 
 @router.post("/sandboxes", status_code=201)
 async def create_sandbox(
-    request: Request, body: NewSandbox, orch: Orch,
+    request: Request,
+    body: NewSandbox,
+    orch: Orch,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JSONResponse:
     return await _create(request, orch, body, secure=bool(body.secure), idempotency_key=idempotency_key)
@@ -175,7 +177,9 @@ async def create_sandbox(
 
 @router.post("/v2/sandboxes", status_code=201)
 async def create_sandbox_v2(
-    request: Request, body: NewSandbox, orch: Orch,
+    request: Request,
+    body: NewSandbox,
+    orch: Orch,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JSONResponse:
     # v2: "All system communication with the sandbox is always secured".
@@ -249,8 +253,14 @@ async def list_sandboxes_v2(
         recs = recs[:limit]
         headers["X-Next-Token"] = encode_cursor(recs[-1])
     if SandboxState.RUNNING in states:
-        running = await orch.list_sandboxes(ListQuery(states=(SandboxState.RUNNING,), metadata=query.metadata,
-                                            template=template, started_after=started_after))
+        running = await orch.list_sandboxes(
+            ListQuery(
+                states=(SandboxState.RUNNING,),
+                metadata=query.metadata,
+                template=template,
+                started_after=started_after,
+            )
+        )
         headers["X-Total-Running"] = str(len(running))
     return JSONResponse([listed_body(r) for r in recs], headers=headers)
 
@@ -317,7 +327,9 @@ async def refresh(sandbox_id: str, orch: Orch, body: SandboxRefreshRequest | Non
 async def _connect(
     request: Request, sandbox_id: str, body: ConnectSandbox, orch: Orchestrator
 ) -> JSONResponse:
-    timeout = check_timeout(body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds)
+    timeout = check_timeout(
+        body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds
+    )
     rec, resumed = await orch.connect(normalise_sandbox_id(sandbox_id), timeout)
     return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201 if resumed else 200)
 
@@ -334,7 +346,8 @@ async def connect_v2(request: Request, sandbox_id: str, body: ConnectSandbox, or
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
 async def sandbox_metrics(
-    sandbox_id: str, orch: Orch,
+    sandbox_id: str,
+    orch: Orch,
     start: Annotated[int | None, Query(ge=0)] = None,
     end: Annotated[int | None, Query(ge=0)] = None,
 ) -> JSONResponse:
@@ -342,7 +355,8 @@ async def sandbox_metrics(
         raise Invalid("start must not be after end")
     samples = await orch.metrics(normalise_sandbox_id(sandbox_id))
     chosen = [
-        s for s in samples
+        s
+        for s in samples
         if (start is None or s.at.timestamp() >= start) and (end is None or s.at.timestamp() <= end)
     ]
     return JSONResponse([metric_body(s) for s in chosen])
@@ -355,27 +369,35 @@ _LEVELS = ("debug", "info", "warn", "error")
 
 @router.get("/sandboxes/{sandbox_id}/logs")
 async def sandbox_logs_v1(
-    sandbox_id: str, orch: Orch,
+    sandbox_id: str,
+    orch: Orch,
     start: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=0)] = 1000,
 ) -> JSONResponse:
     since = dt.datetime.fromtimestamp(start / 1000, dt.UTC) if start is not None else None
     lines = await orch.sandbox_logs(normalise_sandbox_id(sandbox_id), start=since, limit=limit)
-    return JSONResponse({
-        "logs": [SandboxLog(timestamp=ln.timestamp, line=ln.message).to_json() for ln in lines],
-        "logEntries": [_entry(ln) for ln in lines],
-    })
+    return JSONResponse(
+        {
+            "logs": [SandboxLog(timestamp=ln.timestamp, line=ln.message).to_json() for ln in lines],
+            "logEntries": [_entry(ln) for ln in lines],
+        }
+    )
 
 
 def _entry(ln: LogLine) -> dict[str, object]:
     level = ln.level if ln.level in _LEVELS else "info"
-    return SandboxLogEntry(timestamp=ln.timestamp, message=ln.message, level=level,  # type: ignore[arg-type]
-                           fields=ln.fields).to_json()
+    return SandboxLogEntry(
+        timestamp=ln.timestamp,
+        message=ln.message,
+        level=level,  # type: ignore[arg-type]
+        fields=ln.fields,
+    ).to_json()
 
 
 @router.get("/v2/sandboxes/{sandbox_id}/logs")
 async def sandbox_logs_v2(
-    sandbox_id: str, orch: Orch,
+    sandbox_id: str,
+    orch: Orch,
     cursor: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=0, le=1000)] = 1000,
     direction: str = "forward",
@@ -392,7 +414,8 @@ async def sandbox_logs_v2(
     )
     min_level = _LEVELS.index(level) if level else 0
     chosen = [
-        ln for ln in lines
+        ln
+        for ln in lines
         if _LEVELS.index(ln.level if ln.level in _LEVELS else "info") >= min_level
         and (search is None or search in ln.message)
     ][:limit]

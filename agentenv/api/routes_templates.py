@@ -57,24 +57,28 @@ async def get_template(request: Request, template_id: str) -> JSONResponse:
     info = _load(request, template_id)
     img = info.image
     created = info.created_at.isoformat().replace("+00:00", "Z")
-    return JSONResponse({
-        "templateID": img.template_id,
-        "public": True,
-        "aliases": [img.template_id],
-        "names": [img.template_id],
-        "createdAt": created,
-        "updatedAt": created,
-        "lastSpawnedAt": None,
-        "spawnCount": 0,
-        "builds": [{
-            "buildID": info.build_id,
-            "status": "ready",
+    return JSONResponse(
+        {
+            "templateID": img.template_id,
+            "public": True,
+            "aliases": [img.template_id],
+            "names": [img.template_id],
             "createdAt": created,
             "updatedAt": created,
-            "finishedAt": created,
-            "cpuCount": img.vcpus,
-            "memoryMB": img.memory_mb,
-            "diskSizeMB": img.disk_mb,
-            "envdVersion": ENVD_VERSION,
-        }],
-    })
+            "lastSpawnedAt": None,
+            "spawnCount": 0,
+            "builds": [
+                {
+                    "buildID": info.build_id,
+                    "status": "ready",
+                    "createdAt": created,
+                    "updatedAt": created,
+                    "finishedAt": created,
+                    "cpuCount": img.vcpus,
+                    "memoryMB": img.memory_mb,
+                    "diskSizeMB": img.disk_mb,
+                    "envdVersion": ENVD_VERSION,
+                }
+            ],
+        }
+    )

@@ -19,16 +19,19 @@ def connection_help(settings: Settings) -> str:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     base = f"http://{host}:{settings.port}"
     key = settings.effective_api_keys()[0]
-    return "\n".join([
-        f"export E2B_API_URL={base}",
-        f"export E2B_SANDBOX_URL={base}",
-        f"export E2B_API_KEY={key}",
-    ])
+    return "\n".join(
+        [
+            f"export E2B_API_URL={base}",
+            f"export E2B_SANDBOX_URL={base}",
+            f"export E2B_API_KEY={key}",
+        ]
+    )
 
 
 def run(host: str | None = None, port: int | None = None) -> None:
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
+        level=logging.INFO,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = Settings()
@@ -54,7 +57,11 @@ def run(host: str | None = None, port: int | None = None) -> None:
     print("Point the E2B SDKs here with:", flush=True)
     print(connection_help(settings), flush=True)
     uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level="info",
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
         # The SDK keeps connections alive between calls; long idle streams are the norm.
-        timeout_keep_alive=75, access_log=False,
+        timeout_keep_alive=75,
+        access_log=False,
     )

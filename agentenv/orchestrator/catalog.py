@@ -26,6 +26,7 @@ from agentenv.types import SandboxInstance, SnapshotRef, TemplateImage
 
 log = logging.getLogger(__name__)
 
+
 def new_snapshot_id() -> str:
     return "snap" + secrets.token_hex(8)
 
@@ -60,9 +61,13 @@ class SnapshotMeta:
 
     def info(self) -> dict[str, Any]:
         return {
-            "template_rootfs": self.template_rootfs, "cpu_count": self.cpu_count,
-            "memory_mb": self.memory_mb, "disk_mb": self.disk_mb, "envs": self.envs,
-            "metadata": self.metadata, "envd_access_token": self.envd_access_token,
+            "template_rootfs": self.template_rootfs,
+            "cpu_count": self.cpu_count,
+            "memory_mb": self.memory_mb,
+            "disk_mb": self.disk_mb,
+            "envs": self.envs,
+            "metadata": self.metadata,
+            "envd_access_token": self.envd_access_token,
             "duration_ms": self.duration_ms,
         }
 
@@ -70,8 +75,13 @@ class SnapshotMeta:
         """The template the snapshot's sandbox stood on, as recorded when it was taken."""
         if not self.template_rootfs:
             raise Failed(f"snapshot of template {template_id} does not record its root file system")
-        return TemplateImage(template_id=template_id, rootfs=Path(self.template_rootfs),
-                             vcpus=self.cpu_count, memory_mb=self.memory_mb, disk_mb=self.disk_mb)
+        return TemplateImage(
+            template_id=template_id,
+            rootfs=Path(self.template_rootfs),
+            vcpus=self.cpu_count,
+            memory_mb=self.memory_mb,
+            disk_mb=self.disk_mb,
+        )
 
 
 class SnapshotCatalog:

@@ -345,7 +345,9 @@ class Orchestrator:
     @staticmethod
     def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
         return SandboxSpec(
-            sandbox_id=rec.sandbox_id, template=image, envs=rec.envs,
+            sandbox_id=rec.sandbox_id,
+            template=image,
+            envs=rec.envs,
             allow_internet_access=rec.allow_internet_access is not False,
             envd_access_token=rec.envd_access_token,
         )
@@ -377,11 +379,19 @@ class Orchestrator:
             rec = await self._from_template_snapshot(snap, req)
             if rec is not None:
                 return rec
-        new = self._new_record(new_sandbox_id(), req, template_id=info.image.template_id,
-                               runtime=runtime.name, image=info.image, origin="boot")
+        new = self._new_record(
+            new_sandbox_id(),
+            req,
+            template_id=info.image.template_id,
+            runtime=runtime.name,
+            image=info.image,
+            origin="boot",
+        )
         return await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
 
-    async def _from_template_snapshot(self, snap: TemplateSnapshot, req: CreateRequest) -> SandboxRecord | None:
+    async def _from_template_snapshot(
+        self, snap: TemplateSnapshot, req: CreateRequest
+    ) -> SandboxRecord | None:
         """Claim a warm-pool sandbox, else restore the template's snapshot; None (boot instead)
         when the snapshot does not restore. Pooled sandboxes have internet access."""
         template_id = snap.image.template_id
@@ -389,7 +399,9 @@ class Orchestrator:
         if instance is not None:
             rec = self._from_snapshot_record(snap.row, instance.sandbox_id, req, template_id, "warm_pool")
             try:
-                return await self._bring_up(rec, snap.runtime, Claim(instance, snap.image), req.timeout_seconds)
+                return await self._bring_up(
+                    rec, snap.runtime, Claim(instance, snap.image), req.timeout_seconds
+                )
             except AgentenvError as exc:
                 log.warning("claiming pooled sandbox %s failed (%s); restoring instead", rec.sandbox_id, exc)
         try:
@@ -419,8 +431,12 @@ class Orchestrator:
             try:
                 await self.store.insert(rec)
                 undo.push("registry row", lambda: self._mark_failed(rec, runtime))
-                undo.push("runtime instance", lambda: runtime.kill(
-                    rec.instance or SandboxInstance.placeholder(rec.sandbox_id, runtime.name)))
+                undo.push(
+                    "runtime instance",
+                    lambda: runtime.kill(
+                        rec.instance or SandboxInstance.placeholder(rec.sandbox_id, runtime.name)
+                    ),
+                )
                 rec.instance = await self._materialise(runtime, source, self._spec(rec, source.image))
                 up = time.monotonic()
                 await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
@@ -431,8 +447,12 @@ class Orchestrator:
                 await self.logs.event(rec.sandbox_id, "error", f"sandbox creation failed: {exc}")
                 raise_failure(exc, "sandbox creation" if isinstance(source, Boot) else "sandbox restore")
         await self.logs.event(
-            rec.sandbox_id, "info", _created_message(rec), runtime=runtime.name,
-            template=rec.template_id, up_ms=str(round((up - started) * 1000)),
+            rec.sandbox_id,
+            "info",
+            _created_message(rec),
+            runtime=runtime.name,
+            template=rec.template_id,
+            up_ms=str(round((up - started) * 1000)),
             init_ms=str(elapsed_ms(up)),
         )
         return rec
@@ -458,25 +478,46 @@ class Orchestrator:
         log.warning("create of %s on %s failed; its record is marked killed", rec.sandbox_id, runtime.name)
 
     def _new_record(
-        self, sandbox_id: str, req: CreateRequest, *, template_id: str, runtime: str,
-        image: TemplateImage | SnapshotMeta, origin: Origin, alias: str | None = None,
-        envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
-        envd_access_token: str | None = None, restored_from: str | None = None,
+        self,
+        sandbox_id: str,
+        req: CreateRequest,
+        *,
+        template_id: str,
+        runtime: str,
+        image: TemplateImage | SnapshotMeta,
+        origin: Origin,
+        alias: str | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        envd_access_token: str | None = None,
+        restored_from: str | None = None,
     ) -> SandboxRecord:
         now = utcnow()
         vcpus = image.vcpus if isinstance(image, TemplateImage) else image.cpu_count
         return SandboxRecord(
-            sandbox_id=sandbox_id, template_id=template_id, alias=alias or template_id,
-            client_id=CLIENT_ID, state=S.CREATING, started_at=now,
+            sandbox_id=sandbox_id,
+            template_id=template_id,
+            alias=alias or template_id,
+            client_id=CLIENT_ID,
+            state=S.CREATING,
+            started_at=now,
             end_at=now + dt.timedelta(seconds=req.timeout_seconds),
-            cpu_count=vcpus, memory_mb=image.memory_mb, disk_mb=image.disk_mb, runtime=runtime,
-            envd_version=ENVD_VERSION, metadata=dict(metadata if metadata is not None else req.metadata),
+            cpu_count=vcpus,
+            memory_mb=image.memory_mb,
+            disk_mb=image.disk_mb,
+            runtime=runtime,
+            envd_version=ENVD_VERSION,
+            metadata=dict(metadata if metadata is not None else req.metadata),
             envs=dict(envs if envs is not None else req.envs),
             envd_access_token=envd_access_token or (new_access_token() if req.secure else None),
             traffic_access_token=None if req.allow_public_traffic else new_access_token(),
-            allow_internet_access=req.allow_internet_access, auto_pause=req.auto_pause,
-            auto_resume=req.auto_resume, network=dict(req.network or {}), origin=origin,
-            restored_from=restored_from, memory_base=restored_from,
+            allow_internet_access=req.allow_internet_access,
+            auto_pause=req.auto_pause,
+            auto_resume=req.auto_resume,
+            network=dict(req.network or {}),
+            origin=origin,
+            restored_from=restored_from,
+            memory_base=restored_from,
         )
 
     def _from_snapshot_record(
@@ -487,10 +528,17 @@ class Orchestrator:
         keeps the source's access token, if any."""
         meta = SnapshotMeta.of(row)
         return self._new_record(
-            sandbox_id, req, template_id=template_id or row.snapshot_id, runtime=row.runtime,
-            image=meta, origin=origin, alias=template_id or row.name or row.snapshot_id,
-            envs={**meta.envs, **req.envs}, metadata=req.metadata or meta.metadata,
-            envd_access_token=meta.envd_access_token, restored_from=row.snapshot_id,
+            sandbox_id,
+            req,
+            template_id=template_id or row.snapshot_id,
+            runtime=row.runtime,
+            image=meta,
+            origin=origin,
+            alias=template_id or row.name or row.snapshot_id,
+            envs={**meta.envs, **req.envs},
+            metadata=req.metadata or meta.metadata,
+            envd_access_token=meta.envd_access_token,
+            restored_from=row.snapshot_id,
         )
 
     # -- queries -------------------------------------------------------------------------------
@@ -692,20 +740,35 @@ class Orchestrator:
         parent = await self.catalog.parent_for(rec.memory_base)
         ref = await self.catalog.write(self._runtime(rec), rec.instance, stop=stop, parent=parent)
         meta = SnapshotMeta(
-            template_rootfs=rec.instance.state.get("template_rootfs"), cpu_count=rec.cpu_count,
-            memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, envs=rec.envs, metadata=rec.metadata,
-            envd_access_token=rec.envd_access_token, duration_ms=elapsed_ms(started),
+            template_rootfs=rec.instance.state.get("template_rootfs"),
+            cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb,
+            disk_mb=rec.disk_mb,
+            envs=rec.envs,
+            metadata=rec.metadata,
+            envd_access_token=rec.envd_access_token,
+            duration_ms=elapsed_ms(started),
         )
         row = SnapshotRow(
-            snapshot_id=ref.snapshot_id, kind=kind, source_sandbox_id=rec.sandbox_id, runtime=rec.runtime,
-            template_id=rec.template_id, created_at=utcnow(), name=name, info=meta.info(),
+            snapshot_id=ref.snapshot_id,
+            kind=kind,
+            source_sandbox_id=rec.sandbox_id,
+            runtime=rec.runtime,
+            template_id=rec.template_id,
+            created_at=utcnow(),
+            name=name,
+            info=meta.info(),
             parent_id=parent.snapshot_id if parent else None,
         )
         await self.catalog.add(row)
         rec.memory_base = row.snapshot_id
         await self.store.save(rec)
-        await self.logs.event(rec.sandbox_id, "info", f"{kind} snapshot {ref.snapshot_id} taken",
-                              duration_ms=str(meta.duration_ms))
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            f"{kind} snapshot {ref.snapshot_id} taken",
+            duration_ms=str(meta.duration_ms),
+        )
         return row
 
     async def _after_failed_snapshot(self, rec: SandboxRecord, exc: BaseException) -> None:
@@ -760,8 +823,9 @@ class Orchestrator:
                 await self._after_failed_snapshot(rec, exc)
                 raise_failure(exc, f"fork of sandbox {sandbox_id}")
             gate = asyncio.Semaphore(FORK_PARALLELISM)
-            children = [asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds))
-                        for _ in range(count)]
+            children = [
+                asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds)) for _ in range(count)
+            ]
             await asyncio.shield(self._revive_parent(rec, row))
         try:
             outcomes = await asyncio.shield(asyncio.gather(*children))
@@ -790,10 +854,14 @@ class Orchestrator:
     ) -> ForkOutcome:
         """A fork child is made like its parent: same metadata, network and traffic policy."""
         req = CreateRequest(
-            template_id=row.snapshot_id, timeout_seconds=timeout_seconds, metadata=dict(parent.metadata),
-            envs={}, secure=parent.envd_access_token is not None,
+            template_id=row.snapshot_id,
+            timeout_seconds=timeout_seconds,
+            metadata=dict(parent.metadata),
+            envs={},
+            secure=parent.envd_access_token is not None,
             allow_internet_access=parent.allow_internet_access,
-            allow_public_traffic=parent.traffic_access_token is None, network=dict(parent.network or {}),
+            allow_public_traffic=parent.traffic_access_token is None,
+            network=dict(parent.network or {}),
         )
         async with gate:
             try:
@@ -805,8 +873,9 @@ class Orchestrator:
         if outcome.record is None:
             return outcome
         try:
-            return dataclasses.replace(outcome, record=await self.set_timeout(outcome.record.sandbox_id,
-                                                                              timeout_seconds))
+            return dataclasses.replace(
+                outcome, record=await self.set_timeout(outcome.record.sandbox_id, timeout_seconds)
+            )
         except (NotFound, Conflict):  # killed or paused by someone else meanwhile: theirs to say
             return outcome
 

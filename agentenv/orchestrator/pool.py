@@ -83,8 +83,14 @@ class WarmPool:
                 await self._kill(instance)
                 return
             pool.ready.append(instance)
-            log.info("warm pool %s: %s ready in %.0f ms (%d/%d)", key, instance.sandbox_id,
-                     (time.monotonic() - started) * 1000, len(pool.ready), self.high)
+            log.info(
+                "warm pool %s: %s ready in %.0f ms (%d/%d)",
+                key,
+                instance.sandbox_id,
+                (time.monotonic() - started) * 1000,
+                len(pool.ready),
+                self.high,
+            )
 
     async def drop(self, key: str) -> None:
         """Kill every ready sandbox of ``key`` (its template snapshot is stale)."""

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from typing import cast
 
 from agentenv.config import Settings
+from agentenv.errors import Failed
 from agentenv.runtime.base import Runtime
 from agentenv.runtime.registry import get_runtime
-from agentenv.errors import Failed
 from agentenv.types import RUNTIME_NAMES, RuntimeName, TemplateImage
 
 

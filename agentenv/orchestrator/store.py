@@ -76,7 +76,10 @@ ADDED_COLUMNS = (
 
 #: States in which a record still owns host resources (recovery re-attaches or cleans them).
 LIVE_STATES = (
-    SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSING, SandboxState.RESUMING,
+    SandboxState.CREATING,
+    SandboxState.RUNNING,
+    SandboxState.PAUSING,
+    SandboxState.RESUMING,
     SandboxState.KILLING,
 )
 #: States the API lists.
@@ -132,23 +135,63 @@ class SandboxRecord:
 
 
 _COLUMNS = (
-    "sandbox_id", "template_id", "alias", "client_id", "metadata", "envs", "state", "started_at",
-    "end_at", "cpu_count", "memory_mb", "disk_mb", "runtime", "instance", "envd_version",
-    "envd_access_token", "traffic_access_token", "allow_internet_access", "auto_pause",
-    "auto_resume", "network", "origin", "restored_from", "pause_snapshot", "memory_base", "log_offsets",
+    "sandbox_id",
+    "template_id",
+    "alias",
+    "client_id",
+    "metadata",
+    "envs",
+    "state",
+    "started_at",
+    "end_at",
+    "cpu_count",
+    "memory_mb",
+    "disk_mb",
+    "runtime",
+    "instance",
+    "envd_version",
+    "envd_access_token",
+    "traffic_access_token",
+    "allow_internet_access",
+    "auto_pause",
+    "auto_resume",
+    "network",
+    "origin",
+    "restored_from",
+    "pause_snapshot",
+    "memory_base",
+    "log_offsets",
 )
 
 
 def _to_row(rec: SandboxRecord) -> tuple[Any, ...]:
     return (
-        rec.sandbox_id, rec.template_id, rec.alias, rec.client_id, json.dumps(rec.metadata),
-        json.dumps(rec.envs), rec.state, _ts(rec.started_at), _ts(rec.end_at), rec.cpu_count,
-        rec.memory_mb, rec.disk_mb, rec.runtime,
-        json.dumps(asdict(rec.instance)) if rec.instance else None, rec.envd_version,
-        rec.envd_access_token, rec.traffic_access_token,
+        rec.sandbox_id,
+        rec.template_id,
+        rec.alias,
+        rec.client_id,
+        json.dumps(rec.metadata),
+        json.dumps(rec.envs),
+        rec.state,
+        _ts(rec.started_at),
+        _ts(rec.end_at),
+        rec.cpu_count,
+        rec.memory_mb,
+        rec.disk_mb,
+        rec.runtime,
+        json.dumps(asdict(rec.instance)) if rec.instance else None,
+        rec.envd_version,
+        rec.envd_access_token,
+        rec.traffic_access_token,
         None if rec.allow_internet_access is None else int(rec.allow_internet_access),
-        int(rec.auto_pause), int(rec.auto_resume), json.dumps(rec.network), rec.origin,
-        rec.restored_from, rec.pause_snapshot, rec.memory_base, json.dumps(rec.log_offsets),
+        int(rec.auto_pause),
+        int(rec.auto_resume),
+        json.dumps(rec.network),
+        rec.origin,
+        rec.restored_from,
+        rec.pause_snapshot,
+        rec.memory_base,
+        json.dumps(rec.log_offsets),
     )
 
 

@@ -51,8 +51,10 @@ class TemplateSnapshots:
         self._building: set[str] = set()
         self._envd_hash: str | None = None
         self.pool = WarmPool(
-            min(settings.warm_pool_low, settings.warm_pool_high), settings.warm_pool_high,
-            self._make_pooled, self._kill_pooled,
+            min(settings.warm_pool_low, settings.warm_pool_high),
+            settings.warm_pool_high,
+            self._make_pooled,
+            self._kill_pooled,
         )
 
     def key(self, info: templates.TemplateInfo, runtime: Runtime) -> str:
@@ -112,12 +114,21 @@ class TemplateSnapshots:
         instance = await runtime.create(spec)
         try:
             ref = await self._catalog.write(runtime, instance, stop=True)
-            meta = SnapshotMeta(template_rootfs=str(image.rootfs), cpu_count=image.vcpus,
-                                memory_mb=image.memory_mb, disk_mb=image.disk_mb,
-                                duration_ms=elapsed_ms(started))
+            meta = SnapshotMeta(
+                template_rootfs=str(image.rootfs),
+                cpu_count=image.vcpus,
+                memory_mb=image.memory_mb,
+                disk_mb=image.disk_mb,
+                duration_ms=elapsed_ms(started),
+            )
             row = SnapshotRow(
-                snapshot_id=ref.snapshot_id, kind="template", source_sandbox_id=spec.sandbox_id,
-                runtime=runtime.name, template_id=image.template_id, created_at=utcnow(), name=key,
+                snapshot_id=ref.snapshot_id,
+                kind="template",
+                source_sandbox_id=spec.sandbox_id,
+                runtime=runtime.name,
+                template_id=image.template_id,
+                created_at=utcnow(),
+                name=key,
                 info=meta.info(),
             )
             await self._catalog.add(row)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import time
+from pathlib import Path
 from typing import ClassVar
 
 from agentenv.config import Settings
@@ -96,3 +97,11 @@ class CpuSampler:
 
     def forget(self, sandbox_id: str) -> None:
         self._last.pop(sandbox_id, None)
+
+
+def log_tail(path: Path, limit: int = 1500) -> str:
+    """The end of a runtime's log file (runsc, envd, a VM console), for error messages."""
+    try:
+        return path.read_bytes()[-limit:].decode(errors="replace").strip() or "(empty)"
+    except OSError:
+        return "(no log)"

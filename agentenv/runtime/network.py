@@ -179,8 +179,10 @@ async def run(*cmd: str, check: bool = True, input: str | None = None) -> tuple[
     """Run ``cmd`` (``input`` on its stdin): (exit code, stdout+stderr). With ``check`` a non-zero
     exit raises :class:`NetworkError`. Cancelling the caller kills the command first."""
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdin=asyncio.subprocess.PIPE if input is not None else None,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        *cmd,
+        stdin=asyncio.subprocess.PIPE if input is not None else None,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     try:
         out, _ = await proc.communicate(input.encode() if input is not None else None)
@@ -229,8 +231,11 @@ TABLES = ("filter", "nat")
 
 
 def _restore_input(script: Script) -> str:
-    return "".join(f"*{table}\n" + "".join(f"{line}\n" for line in script[table]) + "COMMIT\n"
-                   for table in TABLES if script.get(table))
+    return "".join(
+        f"*{table}\n" + "".join(f"{line}\n" for line in script[table]) + "COMMIT\n"
+        for table in TABLES
+        if script.get(table)
+    )
 
 
 async def _iptables_restore(script: Script, *, check: bool = True) -> tuple[int, str]:
@@ -280,8 +285,9 @@ class _RestoreQueue:
                 merged: Script = {table: [] for table in TABLES}
                 for script, _ in batch:
                     for table, lines in script.items():
-                        merged[table] += [line for line in lines
-                                          if not (line.startswith("-C ") and line in merged[table])]
+                        merged[table] += [
+                            line for line in lines if not (line.startswith("-C ") and line in merged[table])
+                        ]
                 try:
                     code, _ = await _iptables_restore(merged, check=False)
                 except Exception as exc:
@@ -357,8 +363,21 @@ def _filter_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
 def _nat_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
     if not net.allow_internet_access:
         return []
-    return [["-s", f"{net.sandbox_ip}/32", "!", "-d", subnet,
-             "-m", "comment", "--comment", net.netns, "-j", "MASQUERADE"]]
+    return [
+        [
+            "-s",
+            f"{net.sandbox_ip}/32",
+            "!",
+            "-d",
+            subnet,
+            "-m",
+            "comment",
+            "--comment",
+            net.netns,
+            "-j",
+            "MASQUERADE",
+        ]
+    ]
 
 
 def sandbox_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[list[str]]]:
@@ -367,8 +386,10 @@ def sandbox_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[list[str]]
 
 
 def _rule_script(command: str, net: SandboxNetwork, subnet: str) -> Script:
-    return {table: [" ".join([command, CHAIN, *rule]) for rule in rules]
-            for table, rules in sandbox_rules(net, subnet).items()}
+    return {
+        table: [" ".join([command, CHAIN, *rule]) for rule in rules]
+        for table, rules in sandbox_rules(net, subnet).items()
+    }
 
 
 def _add_script(net: SandboxNetwork, subnet: str) -> Script:
@@ -450,8 +471,13 @@ async def setup_network(
             tried.add(slot)
             host_ip, sandbox_ip = slot_addresses(settings, slot)
             candidate = SandboxNetwork(
-                sandbox_id=sandbox_id, netns=netns, slot=slot, host_if=f"{HOST_IF_PREFIX}{slot}",
-                sandbox_if=f"{SANDBOX_IF_PREFIX}{slot}", host_ip=host_ip, sandbox_ip=sandbox_ip,
+                sandbox_id=sandbox_id,
+                netns=netns,
+                slot=slot,
+                host_if=f"{HOST_IF_PREFIX}{slot}",
+                sandbox_if=f"{SANDBOX_IF_PREFIX}{slot}",
+                host_ip=host_ip,
+                sandbox_ip=sandbox_ip,
                 allow_internet_access=allow_internet_access,
             )
             net = await _create_link(settings, candidate, add_netns=not netns_added)
@@ -468,9 +494,7 @@ async def setup_network(
     return net
 
 
-async def _create_link(
-    settings: Settings, net: SandboxNetwork, *, add_netns: bool
-) -> SandboxNetwork | None:
+async def _create_link(settings: Settings, net: SandboxNetwork, *, add_netns: bool) -> SandboxNetwork | None:
     """The netns (unless it is there already), the veth pair and the host side's address; None
     when another data directory took the interface name first (the slot is released)."""
     lines = [f"netns add {net.netns}"] if add_netns else []
@@ -530,8 +554,11 @@ async def teardown_network(settings: Settings, sandbox_id: str, net: SandboxNetw
 
 
 async def _teardown(
-    settings: Settings, sandbox_id: str, net: SandboxNetwork | None,
-    *, rules: Literal["known", "lookup", "none"],
+    settings: Settings,
+    sandbox_id: str,
+    net: SandboxNetwork | None,
+    *,
+    rules: Literal["known", "lookup", "none"],
 ) -> None:
     netns = netns_name(sandbox_id)
     slot = net.slot if net else claimed_slots(settings).get(sandbox_id)

@@ -36,15 +36,21 @@ def build_statx_compat(lib_dir: Path) -> Path | None:
     """Compile the statx wrapper into ``lib_dir``; None (logged) when no C compiler is here."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler: %s not built, `ls` fails in gVisor sandboxes on runsc 2022-12",
-                    STATX_COMPAT)
+        log.warning(
+            "no C compiler: %s not built, `ls` fails in gVisor sandboxes on runsc 2022-12", STATX_COMPAT
+        )
         return None
     source = lib_dir / "agentenv-statx-compat.c"
     target = lib_dir / STATX_COMPAT
     source.write_text(_STATX_SOURCE)
     try:
-        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-s", "-o", str(target), str(source)],
-                       check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [cc, "-shared", "-fPIC", "-O2", "-s", "-o", str(target), str(source)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building %s failed: %s", STATX_COMPAT, detail)

@@ -62,8 +62,19 @@ STDLIB_REL = f"lib/python{PY_VERSION}"
 
 #: Top-level stdlib entries envd never needs (big, or only for humans / building python).
 STDLIB_PRUNE = {
-    "test", "idlelib", "tkinter", "turtledemo", "turtle.py", "ensurepip", "lib2to3", "pydoc_data",
-    "site-packages", "distutils", "venv", "__phello__", "dist-packages",
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "turtle.py",
+    "ensurepip",
+    "lib2to3",
+    "pydoc_data",
+    "site-packages",
+    "distutils",
+    "venv",
+    "__phello__",
+    "dist-packages",
 }
 #: Nested directories pruned wherever they occur in the stdlib.
 STDLIB_PRUNE_NESTED = {"test", "tests", "idle_test"}
@@ -131,7 +142,8 @@ def bundle_hash(py: HostPython | None = None) -> str:
     for path in _bundled_sources():
         h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     dists = sorted(
-        f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+        f"{d.metadata['Name']}=={d.version}"
+        for d in importlib.metadata.distributions()
         if d.metadata["Name"] and d.metadata["Name"] != "agentenv"
     )
     h.update("\n".join(dists).encode())
@@ -153,8 +165,17 @@ def envd_argv(host: str = "0.0.0.0", port: int = ENVD_PORT, mount_point: str = M
     noexec semantics); ``--library-path`` keeps every library lookup inside the bundle."""
     lib = f"{mount_point}/lib"
     return [
-        f"{lib}/{LOADER_NAME}", "--library-path", lib, f"{mount_point}/bin/python3",
-        "-I", "-m", "agentenv.envd", "--host", host, "--port", str(port),
+        f"{lib}/{LOADER_NAME}",
+        "--library-path",
+        lib,
+        f"{mount_point}/bin/python3",
+        "-I",
+        "-m",
+        "agentenv.envd",
+        "--host",
+        host,
+        "--port",
+        str(port),
     ]
 
 
@@ -277,7 +298,9 @@ def _envd_site_closure(py: HostPython) -> list[Path]:
     recording the modules that appeared, so the list follows envd's code without upkeep."""
     proc = subprocess.run(
         [sys.executable, "-I", "-c", _CLOSURE_SCRIPT, *RUNTIME_LAZY_MODULES],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         raise BundleError(
@@ -310,7 +333,8 @@ def _check_project_imports(imported: list[Path]) -> None:
     package = envd_source_dir().parent
     shipped = set(_bundled_sources())
     extra = sorted(
-        str(path.relative_to(package)) for path in imported
+        str(path.relative_to(package))
+        for path in imported
         if path.suffix == ".py" and path.is_relative_to(package) and path not in shipped
     )
     if extra:

@@ -53,8 +53,14 @@ KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX = Path("/bin/busybox")
 #: Modules the guest needs; their dependencies come from modules.dep. Built-in ones are skipped.
 GUEST_MODULES = (
-    "virtio_mmio", "virtio_blk", "virtio_net", "vmw_vsock_virtio_transport", "virtio_balloon",
-    "overlay", "ext4", "erofs",
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_net",
+    "vmw_vsock_virtio_transport",
+    "virtio_balloon",
+    "overlay",
+    "ext4",
+    "erofs",
 )
 #: Serial numbers the runtimes give the virtio-blk drives; /init finds the drives by them.
 DRIVE_SERIALS = ("base", "upper", "envd")
@@ -83,8 +89,11 @@ class GuestImages:
 
     def to_json(self) -> dict[str, str]:
         return {
-            "vmlinux": str(self.kernel.vmlinux), "initramfs": str(self.kernel.initramfs),
-            "release": self.kernel.release, "base": str(self.base), "envd": str(self.envd),
+            "vmlinux": str(self.kernel.vmlinux),
+            "initramfs": str(self.kernel.initramfs),
+            "release": self.kernel.release,
+            "base": str(self.base),
+            "envd": str(self.envd),
             "upper_template": str(self.upper_template),
         }
 
@@ -439,8 +448,22 @@ def make_ext4_from_dir(source: Path, dest: Path, *, label: str, extra_mb: int = 
     with open(dest, "wb") as f:
         f.truncate(size)
     _run(
-        "mkfs.ext4", "-q", "-F", "-L", label, "-E", "root_owner=0:0", "-O", "^has_journal",
-        "-m", "0", "-i", "8192", "-d", str(source), str(dest),
+        "mkfs.ext4",
+        "-q",
+        "-F",
+        "-L",
+        label,
+        "-E",
+        "root_owner=0:0",
+        "-O",
+        "^has_journal",
+        "-m",
+        "0",
+        "-i",
+        "8192",
+        "-d",
+        str(source),
+        str(dest),
     )
     return dest
 
@@ -470,7 +493,8 @@ def build_base_image(settings: Settings, template_id: str, rootfs: Path) -> Path
     directory = images_dir(settings) / "rootfs"
     directory.mkdir(parents=True, exist_ok=True)
     return _build_cached(
-        directory, f"{template_id}-{key}.ext4",
+        directory,
+        f"{template_id}-{key}.ext4",
         lambda tmp: make_ext4_from_dir(rootfs, tmp, label="agentenv-base"),
     )
 
@@ -480,7 +504,8 @@ def build_envd_image(settings: Settings) -> Path:
     directory = images_dir(settings) / "envd"
     directory.mkdir(parents=True, exist_ok=True)
     return _build_cached(
-        directory, f"{bundle.name}-f{IMAGE_FORMAT}.ext4",
+        directory,
+        f"{bundle.name}-f{IMAGE_FORMAT}.ext4",
         lambda tmp: make_ext4_from_dir(bundle, tmp, label="agentenv-envd", extra_mb=16),
     )
 
@@ -495,8 +520,18 @@ def build_upper_template(settings: Settings, size_mb: int = DEFAULT_UPPER_MB) ->
     def make(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             f.truncate(size_mb << 20)
-        _run("mkfs.ext4", "-q", "-F", "-L", "agentenv-upper", "-m", "0", "-E",
-             "lazy_itable_init=1,lazy_journal_init=1,root_owner=0:0", str(tmp))
+        _run(
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            "agentenv-upper",
+            "-m",
+            "0",
+            "-E",
+            "lazy_itable_init=1,lazy_journal_init=1,root_owner=0:0",
+            str(tmp),
+        )
 
     return _build_cached(directory, f"upper-{size_mb}-f{IMAGE_FORMAT}.ext4", make)
 

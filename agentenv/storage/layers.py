@@ -288,6 +288,7 @@ def tree_bytes(root: Path) -> int:
             total += st.st_blocks * 512
     return total
 
+
 # --------------------------------------------------------------------------------------- squash
 
 

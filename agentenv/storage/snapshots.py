@@ -97,10 +97,15 @@ def remove_dir(path: Path) -> None:
 
 def _row(r: aiosqlite.Row) -> SnapshotRow:
     return SnapshotRow(
-        snapshot_id=r["snapshot_id"], kind=r["kind"], source_sandbox_id=r["source_sandbox_id"],
-        runtime=r["runtime"], template_id=r["template_id"],
-        created_at=dt.datetime.fromtimestamp(r["created_at"], dt.UTC), parent_id=r["parent_id"],
-        name=r["name"], info=json.loads(r["info"]),
+        snapshot_id=r["snapshot_id"],
+        kind=r["kind"],
+        source_sandbox_id=r["source_sandbox_id"],
+        runtime=r["runtime"],
+        template_id=r["template_id"],
+        created_at=dt.datetime.fromtimestamp(r["created_at"], dt.UTC),
+        parent_id=r["parent_id"],
+        name=r["name"],
+        info=json.loads(r["info"]),
     )
 
 
@@ -122,8 +127,17 @@ class SnapshotStore:
         await self.db.execute(
             "INSERT INTO snapshots (snapshot_id, kind, source_sandbox_id, parent_id, name, runtime,"
             " template_id, created_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (row.snapshot_id, row.kind, row.source_sandbox_id, row.parent_id, row.name, row.runtime,
-             row.template_id, row.created_at.timestamp(), json.dumps(row.info)),
+            (
+                row.snapshot_id,
+                row.kind,
+                row.source_sandbox_id,
+                row.parent_id,
+                row.name,
+                row.runtime,
+                row.template_id,
+                row.created_at.timestamp(),
+                json.dumps(row.info),
+            ),
         )
         await self.db.commit()
 
@@ -145,9 +159,7 @@ class SnapshotStore:
             row = _row(r) if r else None
         return row
 
-    async def rows(
-        self, *, kind: SnapshotKind | None = None, source: str | None = None
-    ) -> list[SnapshotRow]:
+    async def rows(self, *, kind: SnapshotKind | None = None, source: str | None = None) -> list[SnapshotRow]:
         sql = "SELECT * FROM snapshots WHERE 1=1"
         params: list[str] = []
         if kind:

@@ -71,8 +71,17 @@ RECIPES: dict[str, TemplateRecipe] = {
         kind="debootstrap",
         suite="bookworm",
         packages=(
-            "bash", "coreutils", "python3", "git", "curl", "ca-certificates", "procps",
-            "iproute2", "sudo", "less", "findutils",
+            "bash",
+            "coreutils",
+            "python3",
+            "git",
+            "curl",
+            "ca-certificates",
+            "procps",
+            "iproute2",
+            "sudo",
+            "less",
+            "findutils",
         ),
     ),
     "busybox": TemplateRecipe(kind="busybox", suite="", vcpus=1, memory_mb=256, disk_mb=1024),
@@ -163,10 +172,16 @@ def _run(cmd: list[str]) -> None:
 
 
 def _debootstrap(recipe: TemplateRecipe, target: Path, mirror: str) -> None:
-    _run([
-        "debootstrap", "--variant=minbase", "--include=" + ",".join(recipe.packages),
-        recipe.suite, str(target), mirror,
-    ])
+    _run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=" + ",".join(recipe.packages),
+            recipe.suite,
+            str(target),
+            mirror,
+        ]
+    )
 
 
 def _busybox_rootfs(target: Path) -> None:
@@ -219,11 +234,25 @@ def _remove_unused_retired(tdir: Path) -> None:
 def _configure_rootfs(root: Path) -> None:
     """Make the tree sandbox-ready: the E2B default user, neutral host name, small caches."""
     _run(["chroot", str(root), "groupadd", "--gid", str(SANDBOX_UID), SANDBOX_USER])
-    _run([
-        "chroot", str(root), "useradd", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-        "--create-home", "--home-dir", f"/home/{SANDBOX_USER}", "--shell", "/bin/bash",
-        "--groups", "sudo", SANDBOX_USER,
-    ])
+    _run(
+        [
+            "chroot",
+            str(root),
+            "useradd",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--create-home",
+            "--home-dir",
+            f"/home/{SANDBOX_USER}",
+            "--shell",
+            "/bin/bash",
+            "--groups",
+            "sudo",
+            SANDBOX_USER,
+        ]
+    )
     # Passwordless login for sudo, and no password at all (the account is locked for logins).
     sudoers = root / "etc/sudoers.d" / SANDBOX_USER
     sudoers.write_text(f"{SANDBOX_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")

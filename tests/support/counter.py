@@ -42,8 +42,9 @@ def read_counter(sbx: Sandbox, *, request_timeout: float | None = None) -> int:
     return int(sbx.commands.run(f"cat {COUNTER_FILE}", **_timeouts(request_timeout)).stdout.strip())
 
 
-def wait_counter_passes(sbx: Sandbox, value: int, *, timeout: float = 30,
-                        request_timeout: float | None = None) -> int:
+def wait_counter_passes(
+    sbx: Sandbox, value: int, *, timeout: float = 30, request_timeout: float | None = None
+) -> int:
     """Poll until the counter is above ``value``; return what it read. Fails after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -54,8 +55,9 @@ def wait_counter_passes(sbx: Sandbox, value: int, *, timeout: float = 30,
         time.sleep(0.1)
 
 
-def start_counter(sbx: Sandbox, *, step: float = 0.1, timeout: float = 30,
-                  request_timeout: float | None = None) -> int:
+def start_counter(
+    sbx: Sandbox, *, step: float = 0.1, timeout: float = 30, request_timeout: float | None = None
+) -> int:
     """Start the counter and wait for its first value; return the current one."""
     from e2b import CommandExitException
 
@@ -69,8 +71,14 @@ def start_counter(sbx: Sandbox, *, step: float = 0.1, timeout: float = 30,
             time.sleep(0.1)
 
 
-def start_state(sbx: Sandbox, content: str = STATE, *, step: float = 0.1, timeout: float = 30,
-                request_timeout: float | None = None) -> int:
+def start_state(
+    sbx: Sandbox,
+    content: str = STATE,
+    *,
+    step: float = 0.1,
+    timeout: float = 30,
+    request_timeout: float | None = None,
+) -> int:
     """A file on disk (:data:`STATE_FILE`) and a counter process in memory; returns the counter."""
     sbx.files.write(STATE_FILE, content, request_timeout=request_timeout)
     return start_counter(sbx, step=step, timeout=timeout, request_timeout=request_timeout)
@@ -82,8 +90,14 @@ def assert_counter_runs(sbx: Sandbox, *, timeout: float = 30, request_timeout: f
     wait_counter_passes(sbx, first, timeout=timeout, request_timeout=request_timeout)
 
 
-def assert_state_continues(sbx: Sandbox, before: int, content: str = STATE, *, timeout: float = 30,
-                           request_timeout: float | None = None) -> None:
+def assert_state_continues(
+    sbx: Sandbox,
+    before: int,
+    content: str = STATE,
+    *,
+    timeout: float = 30,
+    request_timeout: float | None = None,
+) -> None:
     """The file is there, and the counter came back with its memory (not restarted from 0) and
     keeps counting."""
     assert sbx.files.read(STATE_FILE, request_timeout=request_timeout) == content

@@ -125,8 +125,11 @@ def _describe(pid: int, argv: list[str]) -> str:
 def processes(*needles: str) -> list[str]:
     """``"<pid> <command line>"`` of every process whose command line contains all ``needles``
     (not this process)."""
-    return [_describe(pid, argv) for pid, argv in _command_lines()
-            if all(needle in " ".join(argv) for needle in needles)]
+    return [
+        _describe(pid, argv)
+        for pid, argv in _command_lines()
+        if all(needle in " ".join(argv) for needle in needles)
+    ]
 
 
 def _is_sandbox_program(argv: list[str]) -> bool:
@@ -137,8 +140,11 @@ def _is_sandbox_program(argv: list[str]) -> bool:
 def sandbox_processes(text: str = "") -> list[str]:
     """runsc, QEMU and Firecracker processes (by executable, not a shell or a ``flock`` that merely
     names one) whose command line contains ``text``; all of them when empty."""
-    return [_describe(pid, argv) for pid, argv in _command_lines()
-            if _is_sandbox_program(argv) and text in " ".join(argv)]
+    return [
+        _describe(pid, argv)
+        for pid, argv in _command_lines()
+        if _is_sandbox_program(argv) and text in " ".join(argv)
+    ]
 
 
 # -- one sandbox -------------------------------------------------------------------------------

@@ -65,8 +65,9 @@ def upstream_app(seen: Upstream) -> Starlette:
                 sent += len(part)
                 yield part
 
-        return StreamingResponse(body(), media_type="application/octet-stream",
-                                 headers={"content-length": str(size)})
+        return StreamingResponse(
+            body(), media_type="application/octet-stream", headers={"content-length": str(size)}
+        )
 
     async def stream(request: Request) -> StreamingResponse:
         count = int(request.query_params.get("count", "3"))
@@ -81,13 +82,15 @@ def upstream_app(seen: Upstream) -> Starlette:
 
     async def echo(request: Request) -> JSONResponse:
         seen.headers.append(dict(request.headers))
-        return JSONResponse({
-            "method": request.method,
-            "path": request.url.path,
-            "raw_path": request.scope.get("raw_path", b"").decode(),
-            "query": request.url.query,
-            "body": (await request.body()).decode(errors="replace"),
-        })
+        return JSONResponse(
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "raw_path": request.scope.get("raw_path", b"").decode(),
+                "query": request.url.query,
+                "body": (await request.body()).decode(errors="replace"),
+            }
+        )
 
     async def ws(websocket: WebSocket) -> None:
         await websocket.accept()
@@ -100,15 +103,17 @@ def upstream_app(seen: Upstream) -> Starlette:
             elif msg.get("bytes") is not None:
                 await websocket.send_bytes(msg["bytes"][::-1])
 
-    return Starlette(routes=[
-        Route("/health", health),
-        Route("/init", init, methods=["POST"]),
-        Route("/upload", upload, methods=["POST", "PUT"]),
-        Route("/download", download),
-        Route("/stream", stream),
-        WebSocketRoute("/ws", ws),
-        Route("/{path:path}", echo, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/init", init, methods=["POST"]),
+            Route("/upload", upload, methods=["POST", "PUT"]),
+            Route("/download", download),
+            Route("/stream", stream),
+            WebSocketRoute("/ws", ws),
+            Route("/{path:path}", echo, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+        ]
+    )
 
 
 class LoopbackRuntime(Runtime):
@@ -140,8 +145,11 @@ class LoopbackRuntime(Runtime):
     async def create(self, spec: SandboxSpec) -> SandboxInstance:
         address = self._address()
         seen = Upstream()
-        server = uvicorn.Server(uvicorn.Config(upstream_app(seen), host=address, port=ENVD_PORT,
-                                               log_level="warning", lifespan="off"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                upstream_app(seen), host=address, port=ENVD_PORT, log_level="warning", lifespan="off"
+            )
+        )
         task = asyncio.ensure_future(server.serve())
         self.servers[spec.sandbox_id] = (server, task)
         self.seen[spec.sandbox_id] = seen
@@ -151,9 +159,13 @@ class LoopbackRuntime(Runtime):
             await asyncio.sleep(0.01)
         if self.fail_create:
             raise Failed("injected create failure")
-        return SandboxInstance(sandbox_id=spec.sandbox_id, runtime=self.name,
-                               envd_url=f"http://{address}:{ENVD_PORT}", address=address,
-                               state={"address": address, "template_rootfs": str(spec.template.rootfs)})
+        return SandboxInstance(
+            sandbox_id=spec.sandbox_id,
+            runtime=self.name,
+            envd_url=f"http://{address}:{ENVD_PORT}",
+            address=address,
+            state={"address": address, "template_rootfs": str(spec.template.rootfs)},
+        )
 
     async def kill(self, instance: SandboxInstance) -> None:
         entry = self.servers.pop(instance.sandbox_id, None)
@@ -164,8 +176,14 @@ class LoopbackRuntime(Runtime):
             await task
 
     async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
-        return SandboxMetrics(cpu_count=2, cpu_used_pct=1.5, mem_used=10 << 20, mem_total=512 << 20,
-                              disk_used=1 << 20, disk_total=4 << 30)
+        return SandboxMetrics(
+            cpu_count=2,
+            cpu_used_pct=1.5,
+            mem_used=10 << 20,
+            mem_total=512 << 20,
+            disk_used=1 << 20,
+            disk_total=4 << 30,
+        )
 
     async def is_alive(self, instance: SandboxInstance) -> bool:
         return instance.sandbox_id in self.servers
@@ -203,8 +221,15 @@ def write_template(templates_dir: Path, template_id: str = "base") -> None:
     for the loopback runtime)."""
     tdir = templates_dir / template_id
     (tdir / "rootfs").mkdir(parents=True, exist_ok=True)
-    (tdir / "template.json").write_text(json.dumps({
-        "template_id": template_id, "vcpus": 2, "memory_mb": 512, "disk_mb": 4096,
-        "created_at": "2026-01-01T00:00:00+00:00",
-    }))
+    (tdir / "template.json").write_text(
+        json.dumps(
+            {
+                "template_id": template_id,
+                "vcpus": 2,
+                "memory_mb": 512,
+                "disk_mb": 4096,
+                "created_at": "2026-01-01T00:00:00+00:00",
+            }
+        )
+    )
     (tdir / ".complete").write_text("2026-01-01T00:00:00+00:00\n")

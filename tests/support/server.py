@@ -134,7 +134,10 @@ def start_server(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentenv.cli.main", "serve", "--port", str(port)],
-            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", api_key, data_dir, port, proc, log_path)
     deadline = time.monotonic() + ready_timeout
@@ -147,8 +150,9 @@ def start_server(
         if time.monotonic() > deadline:
             server.kill_all_sandboxes()
             server.stop()
-            raise RuntimeError(f"agentenv serve did not answer /health in {ready_timeout:.0f} s:\n"
-                               f"{server.log_tail()}")
+            raise RuntimeError(
+                f"agentenv serve did not answer /health in {ready_timeout:.0f} s:\n{server.log_tail()}"
+            )
         time.sleep(0.2)
 
 
@@ -187,8 +191,9 @@ def serve(
     data_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     server = None
     try:
-        server = start_server(data_dir, runtime=runtime, extra_env=extra_env, defaults=defaults,
-                              api_key=api_key)
+        server = start_server(
+            data_dir, runtime=runtime, extra_env=extra_env, defaults=defaults, api_key=api_key
+        )
         yield server
     finally:
         if server is not None:

@@ -46,11 +46,19 @@ def test_upload_limit_413_and_sandbox_survives(agentenv_server: ServerProcess) -
     sbx = Sandbox.create(timeout=120)
     try:
         limit = 64 << 20  # AGENTENV_MAX_UPLOAD_BYTES of the e2e server
-        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
-                   "X-Access-Token": sbx._envd_access_token or ""}
+        headers = {
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": sbx._envd_access_token or "",
+        }
         big = os.urandom(limit + 1)
-        resp = httpx.post(f"{agentenv_server.url}/files", params={"path": "/home/user/huge"},
-                          files={"file": ("huge", big)}, headers=headers, timeout=120)
+        resp = httpx.post(
+            f"{agentenv_server.url}/files",
+            params={"path": "/home/user/huge"},
+            files={"file": ("huge", big)},
+            headers=headers,
+            timeout=120,
+        )
         assert "exceeds" in e2b_error(resp, 413)
         assert not sbx.files.exists("/home/user/huge")
         assert sbx.commands.run("echo fine").stdout == "fine\n"

@@ -42,7 +42,9 @@ def test_handler_serves_pages_from_the_snapshot_memory_file(tmp_path: Path) -> N
     sock = Path("/tmp") / f"aeuffd-{uuid.uuid4().hex[:8]}.sock"
     handler = subprocess.Popen(
         [sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(sock), str(memory)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert handler.stdout is not None and handler.stdout.readline().strip() == "ready"
@@ -76,7 +78,9 @@ def test_handler_rejects_a_connection_without_a_userfaultfd(tmp_path: Path) -> N
     sock = Path("/tmp") / f"aeuffd-{uuid.uuid4().hex[:8]}.sock"
     handler = subprocess.Popen(
         [sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(sock), str(memory)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert handler.stdout is not None and handler.stdout.readline().strip() == "ready"

@@ -41,8 +41,11 @@ def sdk_sandbox(instance: SandboxInstance, token: str | None = None) -> Sandbox:
         sandbox_url=instance.envd_url, api_key="e2b_test", extra_sandbox_headers=headers
     )
     return Sandbox(
-        sandbox_id=instance.sandbox_id, sandbox_domain=None, envd_version=Version("0.6.4"),
-        envd_access_token=token, connection_config=config,
+        sandbox_id=instance.sandbox_id,
+        sandbox_domain=None,
+        envd_version=Version("0.6.4"),
+        envd_access_token=token,
+        connection_config=config,
     )
 
 
@@ -82,7 +85,7 @@ def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
 async def test_probe_and_platform(gvisor: GvisorRuntime) -> None:
     assert gvisor.probe() is None
     # kvm only where /dev/kvm can run hardware-virtualised guests; this check must agree.
-    from agentenv.runtime.registry import kvm_unusable_reason
+    from agentenv.runtime.kvm import kvm_unusable_reason
 
     assert gvisor.runsc.platform() in ("kvm", "ptrace")
     if kvm_unusable_reason() is not None:
@@ -149,7 +152,8 @@ async def test_limits_in_oci_spec(gvisor: GvisorRuntime, base_template: Template
     net = SandboxNetwork("specid", "ae-specid", 7, "aeh7", "aes7", "10.213.0.29", "10.213.0.30")
     config = gvisor.oci_spec(spec, net, Path("/r"), Path("/b"))
     assert config["linux"]["resources"] == {
-        "cpu": {"quota": 300_000, "period": 100_000}, "memory": {"limit": 768 << 20},
+        "cpu": {"quota": 300_000, "period": 100_000},
+        "memory": {"limit": 768 << 20},
     }
     assert {"type": "network", "path": "/var/run/netns/ae-specid"} in config["linux"]["namespaces"]
     assert "A=b" in config["process"]["env"] and "AGENTENV_ENVD_ACCESS_TOKEN=tok" in config["process"]["env"]

@@ -59,8 +59,12 @@ def test_bundle_layout_and_pruning(envd_bundle: Path) -> None:
 
 def test_argv_and_env_do_not_leak_the_bundle() -> None:
     argv = envd_argv()
-    assert argv[:4] == ["/.agentenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.agentenv/lib",
-                        "/.agentenv/bin/python3"]
+    assert argv[:4] == [
+        "/.agentenv/lib/ld-linux-x86-64.so.2",
+        "--library-path",
+        "/.agentenv/lib",
+        "/.agentenv/bin/python3",
+    ]
     assert argv[4:7] == ["-I", "-m", "agentenv.envd"]
     env = envd_env({"FOO": "bar"})
     assert env["FOO"] == "bar" and not any(k.startswith("PYTHON") for k in env)
@@ -88,13 +92,16 @@ def test_bundle_runs_in_busybox_chroot(envd_bundle: Path, tmp_path: Path) -> Non
     try:
         code = "import sys, agentenv.envd.server, ssl, json; print(sys.prefix, sys.version_info[:2])"
         argv = [*envd_argv()[:4], "-I", "-c", code]
-        out = subprocess.run(
-            [CHROOT, str(rootfs), *argv], capture_output=True, text=True, env={}, timeout=60
-        )
+        out = subprocess.run([CHROOT, str(rootfs), *argv], capture_output=True, text=True, env={}, timeout=60)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[0] == "/.agentenv"
-        launcher = subprocess.run([CHROOT, str(rootfs), "/.agentenv/bin/envd", "--help"],
-                                  capture_output=True, text=True, env={}, timeout=60)
+        launcher = subprocess.run(
+            [CHROOT, str(rootfs), "/.agentenv/bin/envd", "--help"],
+            capture_output=True,
+            text=True,
+            env={},
+            timeout=60,
+        )
         assert launcher.returncode == 0 and "--port" in launcher.stdout, launcher.stderr
     finally:
         subprocess.run(["umount", str(target)], check=True)

@@ -22,7 +22,11 @@ def test_js_sdk_create_run_write_read_kill(agentenv_server: ServerProcess) -> No
     if not (JS_DIR / "node_modules" / "e2b").is_dir():
         subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=JS_DIR, check=True)
     proc = subprocess.run(
-        ["node", "smoke.mjs"], cwd=JS_DIR, capture_output=True, text=True, timeout=180,
+        ["node", "smoke.mjs"],
+        cwd=JS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=180,
         env={**os.environ, **agentenv_server.sdk_env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

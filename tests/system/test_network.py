@@ -48,15 +48,22 @@ def sh(*cmd: str) -> str:
 
 def connect_in(netns: str, host: str, port: int) -> bool:
     code = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1.5)"
-    return subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["ip", "netns", "exec", netns, sys.executable, "-c", code], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def tagged_rules(net: SandboxNetwork) -> dict[str, list[str]]:
     """table -> the rules of chain AGENTENV tagged with ``net``'s netns, as ``iptables -S`` shows them."""
     return {
-        table: [line for line in sh("iptables", "-t", table, "-S", network.CHAIN).splitlines()
-                if f"--comment {net.netns} " in line + " " or f'--comment "{net.netns}" ' in line + " "]
+        table: [
+            line
+            for line in sh("iptables", "-t", table, "-S", network.CHAIN).splitlines()
+            if f"--comment {net.netns} " in line + " " or f'--comment "{net.netns}" ' in line + " "
+        ]
         for table in ("filter", "nat")
     }
 
@@ -135,7 +142,12 @@ async def test_filtering(settings: Settings, nets: list[SandboxNetwork]) -> None
     host.listen()
     port = host.getsockname()[1]
     server = await asyncio.create_subprocess_exec(
-        "ip", "netns", "exec", off.netns, sys.executable, "-c",
+        "ip",
+        "netns",
+        "exec",
+        off.netns,
+        sys.executable,
+        "-c",
         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 7001)); s.listen(); time.sleep(60)",
     )
     try:
@@ -175,7 +187,12 @@ async def test_concurrent_setups_in_one_and_many_processes(
     others = [unique_id("p") for _ in range(3)]
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", code, str(settings.data_dir), settings.sandbox_subnet, sid,
+            sys.executable,
+            "-c",
+            code,
+            str(settings.data_dir),
+            settings.sandbox_subnet,
+            sid,
             stdout=asyncio.subprocess.PIPE,
         )
         for sid in others
@@ -210,11 +227,18 @@ async def test_exact_state_after_setup_and_nothing_after_teardown(
     assert "LOWER_UP" in sh("ip", "link", "show", net.host_if)
     inside = [line.split() for line in sh("ip", "-n", net.netns, "-o", "-4", "addr").splitlines()]
     assert sorted((f[1], f[3]) for f in inside) == [
-        (net.sandbox_if, f"{net.sandbox_ip}/30"), ("lo", "127.0.0.1/8")]
+        (net.sandbox_if, f"{net.sandbox_ip}/30"),
+        ("lo", "127.0.0.1/8"),
+    ]
     links = sh("ip", "-n", net.netns, "-o", "link")
     assert all(",UP" in line or "<UP" in line for line in links.splitlines()), links
     assert sh("ip", "-n", net.netns, "route").splitlines()[0].split()[:5] == [
-        "default", "via", net.host_ip, "dev", net.sandbox_if]
+        "default",
+        "via",
+        net.host_ip,
+        "dev",
+        net.sandbox_if,
+    ]
 
     await network.teardown_network(settings, net.sandbox_id, net)
     assert_gone(settings, net)
@@ -233,9 +257,9 @@ async def test_concurrent_setups_and_teardowns_share_rule_commits(
     monkeypatch.setattr(network, "_iptables_restore", counting)
     count = 8
     ids = [unique_id("g") for _ in range(count)]
-    created = await asyncio.gather(*(
-        network.setup_network(settings, sid, allow_internet_access=i % 2 == 0) for i, sid in enumerate(ids)
-    ))
+    created = await asyncio.gather(
+        *(network.setup_network(settings, sid, allow_internet_access=i % 2 == 0) for i, sid in enumerate(ids))
+    )
     nets.extend(created)
     # Setups whose rules are ready while one restore runs go into the next one together (how
     # many do depends on timing: at most one restore each).
@@ -247,8 +271,10 @@ async def test_concurrent_setups_and_teardowns_share_rule_commits(
     # The teardowns all ask at once: one restore deletes the rules of every sandbox.
     assert len(restores) == 1
     assert sorted(restores[0]["filter"]) == sorted(
-        f"-D AGENTENV {' '.join(rule)}" for n in created
-        for rule in network.sandbox_rules(n, settings.sandbox_subnet)["filter"])
+        f"-D AGENTENV {' '.join(rule)}"
+        for n in created
+        for rule in network.sandbox_rules(n, settings.sandbox_subnet)["filter"]
+    )
     for net in created:
         assert_gone(settings, net)
 
@@ -277,9 +303,7 @@ async def test_rules_committed_in_part_are_not_doubled(
     assert_gone(settings, net)
 
 
-async def test_failed_setup_leaves_nothing(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_failed_setup_leaves_nothing(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     real = network._iptables_restore
     seen: list[SandboxNetwork] = []
     configure = network._configure_netns

@@ -81,8 +81,15 @@ def test_pipeline_artifacts(guest: images.GuestImages, qemu_settings: Settings, 
     assert guest.kernel.release.endswith("-cloud-amd64") and guest.kernel.release.startswith("6.1.")
     cpio = guest.kernel.initramfs.read_bytes()
     assert cpio.startswith(b"070701")
-    wanted = ["init", "bin/busybox", "modules/virtio_blk.ko", "modules/virtio_net.ko",
-              "modules/virtio_mmio.ko", "modules/overlay.ko", "modules/vmw_vsock_virtio_transport.ko"]
+    wanted = [
+        "init",
+        "bin/busybox",
+        "modules/virtio_blk.ko",
+        "modules/virtio_net.ko",
+        "modules/virtio_mmio.ko",
+        "modules/overlay.ko",
+        "modules/vmw_vsock_virtio_transport.ko",
+    ]
     for name in wanted:
         assert name.encode() + b"\0" in cpio, name
     # The read-only drives are ext4 images built without mounting anything.
@@ -90,8 +97,9 @@ def test_pipeline_artifacts(guest: images.GuestImages, qemu_settings: Settings, 
         cmd = ["dumpe2fs", "-h", str(drive)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         assert "Filesystem magic number:  0xEF53" in out
-    listing = subprocess.run(["debugfs", "-R", "ls -p /usr/bin", str(guest.base)],
-                             capture_output=True, text=True, check=True).stdout
+    listing = subprocess.run(
+        ["debugfs", "-R", "ls -p /usr/bin", str(guest.base)], capture_output=True, text=True, check=True
+    ).stdout
     assert "/bash/" in listing
     # Cached and content-addressed: a second build returns the same files without rebuilding.
     again = images.build_guest_images(qemu_settings, "base", base.rootfs)
@@ -119,8 +127,12 @@ def test_sdk_through_server(qemu_settings: Settings, guest: images.GuestImages) 
     server = start_server(qemu_settings.data_dir / "server", extra_env={"AGENTENV_RUNTIME": "qemu"})
     try:
         sbx = Sandbox.create(
-            template="base", timeout=900, request_timeout=VM_LIMIT,
-            api_key=server.api_key, api_url=server.url, sandbox_url=server.url,
+            template="base",
+            timeout=900,
+            request_timeout=VM_LIMIT,
+            api_key=server.api_key,
+            api_url=server.url,
+            sandbox_url=server.url,
         )
         try:
             result = sbx.commands.run("uname -r", timeout=120, request_timeout=120)
@@ -146,8 +158,11 @@ def _envd_sdk(instance: SandboxInstance) -> Sandbox:
         sandbox_url=instance.envd_url, api_key="e2b_test", extra_sandbox_headers=headers
     )
     return Sandbox(  # type: ignore[call-arg]  # the SDK's own constructor kwargs (as test_gvisor)
-        sandbox_id=instance.sandbox_id, sandbox_domain=None, envd_version=Version("0.6.4"),
-        envd_access_token=None, connection_config=config,
+        sandbox_id=instance.sandbox_id,
+        sandbox_domain=None,
+        envd_version=Version("0.6.4"),
+        envd_access_token=None,
+        connection_config=config,
     )
 
 
@@ -193,7 +208,11 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
 
 
 async def _pause_and_resume(
-    runtime: QemuRuntime, instance: SandboxInstance, template: TemplateImage, *, parent: SnapshotRef,
+    runtime: QemuRuntime,
+    instance: SandboxInstance,
+    template: TemplateImage,
+    *,
+    parent: SnapshotRef,
     before: str,
 ) -> SandboxInstance:
     """A pause stops the VM but keeps its network; the resume (a restore under the same id) takes
@@ -208,9 +227,11 @@ async def _pause_and_resume(
     resumed = await runtime.restore(SandboxSpec(sandbox_id=instance.sandbox_id, template=template), pause)
     assert (resumed.address, resumed.envd_url) == (instance.address, instance.envd_url)
     assert resumed.state["network"] == instance.state["network"]
-    after = _envd_sdk(resumed).commands.run(
-        "cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60
-    ).stdout
+    after = (
+        _envd_sdk(resumed)
+        .commands.run("cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60)
+        .stdout
+    )
     assert after == before
     assert paths.marker.exists() and not (paths.root / "qemu.json.tmp").exists()
     return resumed
@@ -240,8 +261,9 @@ def _slots(data_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text().strip() for p in (data_dir / "net").glob("slot-*")}
 
 
-def _pause_restart_resume(servers: list[ServerProcess], parent: Sandbox, opts: dict[str, Any],
-                          before: int) -> Sandbox:
+def _pause_restart_resume(
+    servers: list[ServerProcess], parent: Sandbox, opts: dict[str, Any], before: int
+) -> Sandbox:
     """Same sandbox, same memory, across a server restart: the counter goes on from where it was."""
     assert parent.pause(request_timeout=VM_LIMIT) is True
     assert Sandbox.get_info(parent.sandbox_id, **opts).state.value == "paused"
@@ -284,8 +306,12 @@ def _fork_two(parent: Sandbox, before: int, ids: list[str]) -> None:
 def _lifecycle(servers: list[ServerProcess], ids: list[str]) -> tuple[str, dict[str, str]]:
     """The whole scenario; returns the snapshot id and the network slots the sandboxes held."""
     server = servers[-1]
-    opts: dict[str, Any] = {"api_key": server.api_key, "api_url": server.url, "sandbox_url": server.url,
-                            "request_timeout": VM_LIMIT}
+    opts: dict[str, Any] = {
+        "api_key": server.api_key,
+        "api_url": server.url,
+        "sandbox_url": server.url,
+        "request_timeout": VM_LIMIT,
+    }
     parent = Sandbox.create("base", timeout=900, **opts)
     ids.append(parent.sandbox_id)
     parent.files.write(STATE_FILE, "parent-state", request_timeout=120)

@@ -139,10 +139,14 @@ def test_path_traversal_stays_in_sandbox(sbx: Sandbox, agentenv_server: ServerPr
         with pytest.raises(NotFoundException):
             sbx.files.read(f"../../../..{marker}")
         # The same through the raw HTTP API, bypassing the SDK's path handling.
-        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
-                   "X-Access-Token": sbx._envd_access_token or ""}
-        resp = httpx.get(f"{agentenv_server.url}/files",
-                         params={"path": f"/../../../../..{marker}"}, headers=headers)
+        headers = {
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": sbx._envd_access_token or "",
+        }
+        resp = httpx.get(
+            f"{agentenv_server.url}/files", params={"path": f"/../../../../..{marker}"}, headers=headers
+        )
         assert resp.status_code == 404 and "host secret" not in resp.text
     finally:
         marker.unlink()

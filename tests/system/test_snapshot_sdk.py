@@ -133,9 +133,9 @@ def test_paused_sandbox_survives_server_restart(private_server: ServerProcess) -
 
 #: What a test interrupts with kill -9: (request path, JSON body, seconds into the request).
 INTERRUPTED = {
-    "pause": ("pause", None, 0.2),          # inside the checkpoint (0.3-0.7 s on this runsc)
-    "snapshot": ("snapshots", {}, 0.2),     # checkpoint, seal or the parent's restore
-    "fork": ("fork", {"count": 4}, 0.0),    # children restoring (waits for the commit)
+    "pause": ("pause", None, 0.2),  # inside the checkpoint (0.3-0.7 s on this runsc)
+    "snapshot": ("snapshots", {}, 0.2),  # checkpoint, seal or the parent's restore
+    "fork": ("fork", {"count": 4}, 0.0),  # children restoring (waits for the commit)
 }
 
 
@@ -160,8 +160,12 @@ def test_kill_9_mid_operation_keeps_committed_snapshots_and_leaks_nothing(
 
     def interrupted_request() -> None:
         try:
-            httpx.post(f"{private_server.url}/sandboxes/{sbx.sandbox_id}/{path}", json=body,
-                       headers={"X-API-Key": private_server.api_key}, timeout=60)
+            httpx.post(
+                f"{private_server.url}/sandboxes/{sbx.sandbox_id}/{path}",
+                json=body,
+                headers={"X-API-Key": private_server.api_key},
+                timeout=60,
+            )
         except httpx.HTTPError:
             pass
         done.set()
@@ -249,8 +253,10 @@ def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_ser
         assert all((agentenv_server.data_dir / "disk-layers" / lid).is_dir() for lid in chain3)
         child = Sandbox.create(s3.snapshot_id, timeout=120)
         try:
-            listing = child.commands.run("cat /home/user/a.txt /home/user/b.txt /home/user/c.txt; echo; "
-                                         "test -e /home/user/big || echo gone").stdout
+            listing = child.commands.run(
+                "cat /home/user/a.txt /home/user/b.txt /home/user/c.txt; echo; "
+                "test -e /home/user/big || echo gone"
+            ).stdout
             assert listing.split() == ["one", "two", "three", "gone"]
             child.files.write("/home/user/c.txt", "child")  # into the child's own upper
             assert sbx.files.read("/home/user/c.txt") == "three"
@@ -280,8 +286,10 @@ def test_deep_snapshot_chains_are_squashed(agentenv_server: ServerProcess) -> No
         sbx.files.write("/home/user/keep.txt", "kept")
         last = None
         for i in range(MAX_CHAIN + 2):
-            sbx.commands.run(f"rm -f /home/user/round-{i - 1}; echo {i} > /home/user/round-{i}; "
-                             f"echo {i} > /home/user/counter")
+            sbx.commands.run(
+                f"rm -f /home/user/round-{i - 1}; echo {i} > /home/user/round-{i}; "
+                f"echo {i} > /home/user/counter"
+            )
             last = sbx.create_snapshot()
         assert last is not None
         chain = snapshot_layers(agentenv_server, last.snapshot_id)
@@ -316,10 +324,14 @@ def sandbox_log_messages(server: ServerProcess, sandbox_id: str) -> str:
 @pytest.fixture()
 def pooled_server() -> Iterator[ServerProcess]:
     """A server that snapshots ``base`` at start-up and keeps 1-2 restored sandboxes ready."""
-    yield from own_server("agentenv-pool-", {
-        "AGENTENV_WARM_POOL_TEMPLATES": '["base"]', "AGENTENV_WARM_POOL_LOW": "1",
-        "AGENTENV_WARM_POOL_HIGH": "2",
-    })
+    yield from own_server(
+        "agentenv-pool-",
+        {
+            "AGENTENV_WARM_POOL_TEMPLATES": '["base"]',
+            "AGENTENV_WARM_POOL_LOW": "1",
+            "AGENTENV_WARM_POOL_HIGH": "2",
+        },
+    )
 
 
 def test_template_create_claims_warm_pool_sandboxes(pooled_server: ServerProcess) -> None:
@@ -365,8 +377,9 @@ def test_private_traffic_is_kept_by_pooled_and_snapshot_creates(pooled_server: S
             headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
             refused = httpx.get(f"{pooled_server.url}/", headers=headers, timeout=30)
             assert refused.status_code == 403, refused.text
-            admitted = httpx.get(f"{pooled_server.url}/", timeout=30,
-                                 headers={**headers, "e2b-traffic-access-token": token})
+            admitted = httpx.get(
+                f"{pooled_server.url}/", timeout=30, headers={**headers, "e2b-traffic-access-token": token}
+            )
             assert admitted.status_code != 403  # past the token check (nothing listens on 8000)
     finally:
         restored.kill()
@@ -405,8 +418,10 @@ def test_fork_64_on_one_node(agentenv_server: ServerProcess) -> None:
         parent.files.write("/home/user/state.txt", "parent-state")
         started = time.monotonic()
         response = httpx.post(
-            f"{agentenv_server.url}/sandboxes/{parent.sandbox_id}/fork", json={"count": 64, "timeout": 600},
-            headers={"X-API-Key": agentenv_server.api_key}, timeout=900,
+            f"{agentenv_server.url}/sandboxes/{parent.sandbox_id}/fork",
+            json={"count": 64, "timeout": 600},
+            headers={"X-API-Key": agentenv_server.api_key},
+            timeout=900,
         )
         assert response.status_code == 201, response.text
         results = response.json()
@@ -416,8 +431,10 @@ def test_fork_64_on_one_node(agentenv_server: ServerProcess) -> None:
         children = [Sandbox.connect(r["sandbox"]["sandboxID"], timeout=600) for r in results]
         assert len({c.sandbox_id for c in children}) == 64
         for i, child in enumerate(children):
-            assert child.commands.run(f"cat /home/user/state.txt; echo -{i} >> /home/user/state.txt").stdout \
+            assert (
+                child.commands.run(f"cat /home/user/state.txt; echo -{i} >> /home/user/state.txt").stdout
                 == "parent-state"
+            )
         assert parent.files.read("/home/user/state.txt") == "parent-state"
         assert children[7].files.read("/home/user/state.txt") == "parent-state-7\n"
     finally:

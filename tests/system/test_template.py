@@ -43,8 +43,11 @@ def test_base_template_cache_is_reused(agentenv_settings: Settings, base_templat
 def test_cli_build_is_instant_when_built_and_lists(
     agentenv_settings: Settings, base_template: TemplateImage
 ) -> None:
-    env = {**os.environ, "AGENTENV_DATA_DIR": str(agentenv_settings.data_dir),
-           "AGENTENV_TEMPLATES_PATH": str(agentenv_settings.templates_dir)}
+    env = {
+        **os.environ,
+        "AGENTENV_DATA_DIR": str(agentenv_settings.data_dir),
+        "AGENTENV_TEMPLATES_PATH": str(agentenv_settings.templates_dir),
+    }
     cli = [sys.executable, "-m", "agentenv.cli.main", "template"]
     started = time.monotonic()
     out = subprocess.run([*cli, "build", "base"], env=env, capture_output=True, text=True, check=True).stdout
@@ -68,8 +71,9 @@ def test_busybox_template_build_atomic_and_concurrent(tmp_path: Path) -> None:
         load_template("busybox", settings)
 
     results: list[TemplateImage] = []
-    threads = [threading.Thread(target=lambda: results.append(build_template("busybox", settings)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(build_template("busybox", settings))) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -49,9 +49,14 @@ async def start_node(
 ) -> tuple[uvicorn.Server, asyncio.Task[None], Settings]:
     write_template(tmp / "shared" / "templates")
     port = free_port()
-    settings = Settings(data_dir=tmp / "data", templates_path=tmp / "shared" / "templates",
-                        api_keys=[API_KEY], port=port, max_upload_bytes=MAX_UPLOAD,
-                        template_snapshots=False)
+    settings = Settings(
+        data_dir=tmp / "data",
+        templates_path=tmp / "shared" / "templates",
+        api_keys=[API_KEY],
+        port=port,
+        max_upload_bytes=MAX_UPLOAD,
+        template_snapshots=False,
+    )
     app = create_app(settings, runtime=runtime)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.ensure_future(server.serve())
@@ -116,8 +121,9 @@ async def test_auth_required_in_e2b_shape(node: Node) -> None:
 )
 async def test_bad_create_bodies_are_400(node: Node, content: bytes, fragment: str) -> None:
     before = set(node.runtime.servers)
-    resp = await node.client.post("/v2/sandboxes", content=content,
-                                  headers={"content-type": "application/json"})
+    resp = await node.client.post(
+        "/v2/sandboxes", content=content, headers={"content-type": "application/json"}
+    )
     message = assert_e2b_error(resp, 400)
     assert fragment in message
     assert set(node.runtime.servers) == before  # nothing was started
@@ -207,8 +213,9 @@ async def test_failed_create_cleans_up(tmp_path: Path) -> None:
     runtime = LoopbackRuntime(fail_create=True)
     server, task, settings = await start_node(tmp_path, runtime)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}",
-                                     headers={"X-API-Key": API_KEY}) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{settings.port}", headers={"X-API-Key": API_KEY}
+        ) as client:
             resp = await client.post("/v2/sandboxes", json={"templateID": "base"})
             assert "injected create failure" in assert_e2b_error(resp, 500)
             assert runtime.servers == {} and len(runtime.killed) == 1
@@ -271,8 +278,12 @@ async def test_list_metadata_filter_and_pagination(node: Node) -> None:
         data = await create(node, metadata={"tag": tag, "i": str(i), "odd": str(i % 2)})
         made.append(str(data["sandboxID"]))
     # Exactly how the Python SDK encodes SandboxQuery(metadata=...): urlencode of quoted pairs.
-    q = urllib.parse.urlencode({urllib.parse.quote("tag"): urllib.parse.quote(tag),
-                                urllib.parse.quote("odd"): urllib.parse.quote("1")})
+    q = urllib.parse.urlencode(
+        {
+            urllib.parse.quote("tag"): urllib.parse.quote(tag),
+            urllib.parse.quote("odd"): urllib.parse.quote("1"),
+        }
+    )
     resp = await node.client.get("/v2/sandboxes", params={"metadata": q})
     assert {s["sandboxID"] for s in resp.json()} == {made[1], made[3]}
     assert resp.headers["x-total-running"] == "2"
@@ -296,7 +307,7 @@ async def test_list_metadata_filter_and_pagination(node: Node) -> None:
 
     v1 = (await node.client.get("/sandboxes", params={"metadata": f"tag={tag}"})).json()
     assert len(v1) == 5 and all(s["state"] == "running" for s in v1)
-    paused = (await node.client.get("/v2/sandboxes", params={"state": "paused", "metadata": f"tag={tag}"}))
+    paused = await node.client.get("/v2/sandboxes", params={"state": "paused", "metadata": f"tag={tag}"})
     assert paused.json() == []
     assert_e2b_error(await node.client.get("/v2/sandboxes", params={"state": "bogus"}), 400)
     assert_e2b_error(await node.client.get("/v2/sandboxes", params={"limit": 0}), 400)
@@ -318,9 +329,23 @@ async def test_templates(node: Node) -> None:
     listed = (await node.client.get("/templates")).json()
     assert [t["templateID"] for t in listed] == ["base"]
     t = listed[0]
-    assert {"buildID", "cpuCount", "memoryMB", "diskSizeMB", "public", "aliases", "names", "createdAt",
-            "updatedAt", "createdBy", "lastSpawnedAt", "spawnCount", "buildCount", "envdVersion",
-            "buildStatus"} <= set(t)
+    assert {
+        "buildID",
+        "cpuCount",
+        "memoryMB",
+        "diskSizeMB",
+        "public",
+        "aliases",
+        "names",
+        "createdAt",
+        "updatedAt",
+        "createdBy",
+        "lastSpawnedAt",
+        "spawnCount",
+        "buildCount",
+        "envdVersion",
+        "buildStatus",
+    } <= set(t)
     one = (await node.client.get("/templates/base")).json()
     assert one["templateID"] == "base" and one["builds"][0]["status"] == "ready"
     assert_e2b_error(await node.client.get("/templates/nope"), 404)
@@ -334,14 +359,18 @@ async def test_proxy_routes_by_header_and_host(node: Node) -> None:
     # envd's /health must reach the sandbox, not the control plane's /health.
     resp = await node.client.get("/health", headers=node.sandbox_headers(sid))
     assert resp.status_code == 204
-    resp = await node.client.post("/some/path%2Fx?a=1&b=%20", content=b"hello",
-                                  headers={**node.sandbox_headers(sid), "X-Custom": "v", "X-API-Key": "k"})
+    resp = await node.client.post(
+        "/some/path%2Fx?a=1&b=%20",
+        content=b"hello",
+        headers={**node.sandbox_headers(sid), "X-Custom": "v", "X-API-Key": "k"},
+    )
     echo = resp.json()
     assert echo["raw_path"] == "/some/path%2Fx" and echo["query"] == "a=1&b=%20" and echo["body"] == "hello"
     seen = node.runtime.seen[sid].headers[-1]
     assert seen["x-custom"] == "v" and "e2b-sandbox-id" not in seen
-    await node.client.get("/x", headers={**node.sandbox_headers(sid), "Connection": "keep-alive, X-Hop",
-                                         "X-Hop": "1"})
+    await node.client.get(
+        "/x", headers={**node.sandbox_headers(sid), "Connection": "keep-alive, X-Hop", "X-Hop": "1"}
+    )
     assert "x-hop" not in node.runtime.seen[sid].headers[-1]
     # Idempotency-Key: a retried create returns the same sandbox.
     key = "retry-" + os.urandom(4).hex()
@@ -380,8 +409,9 @@ async def test_proxy_streams_large_bodies(node: Node) -> None:
 
     down = hashlib.sha256()
     got = 0
-    async with node.client.stream("GET", "/download", params={"size": 50 << 20},
-                                  headers=node.sandbox_headers(sid)) as stream:
+    async with node.client.stream(
+        "GET", "/download", params={"size": 50 << 20}, headers=node.sandbox_headers(sid)
+    ) as stream:
         assert stream.headers["content-length"] == str(50 << 20)
         async for chunk in stream.aiter_raw():
             down.update(chunk)
@@ -411,8 +441,9 @@ async def test_proxy_streams_without_buffering(node: Node) -> None:
     sid = str((await create(node))["sandboxID"])
     loop = asyncio.get_running_loop()
     arrivals = []
-    async with node.client.stream("GET", "/stream", params={"count": 4, "delay": 0.3},
-                                  headers=node.sandbox_headers(sid)) as stream:
+    async with node.client.stream(
+        "GET", "/stream", params={"count": 4, "delay": 0.3}, headers=node.sandbox_headers(sid)
+    ) as stream:
         async for line in stream.aiter_lines():
             arrivals.append((line, loop.time()))
     assert [a[0] for a in arrivals] == [f"event {i}" for i in range(4)]

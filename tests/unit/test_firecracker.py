@@ -97,8 +97,12 @@ def _images(tmp_path: Path) -> GuestImages:
 def test_boot_sequence_matches_the_published_schema(spec_doc: dict[str, Any], tmp_path: Path) -> None:
     paths = fc_paths(Settings(data_dir=tmp_path), "sb-schema")
     requests = boot_requests(
-        _images(tmp_path), paths, vcpus=2, memory_mb=512,
-        kernel=tmp_path / "vmlinux", boot_args="console=ttyS0",
+        _images(tmp_path),
+        paths,
+        vcpus=2,
+        memory_mb=512,
+        kernel=tmp_path / "vmlinux",
+        boot_args="console=ttyS0",
     )
     assert [r.path for r in requests][-1] == "/actions"
     kinds = {r.schema for r in requests}
@@ -107,7 +111,10 @@ def test_boot_sequence_matches_the_published_schema(spec_doc: dict[str, Any], tm
         _validate(spec_doc, request)
     balloon = next(r for r in requests if r.schema == "Balloon")
     assert balloon.body == {
-        "amount_mib": 0, "deflate_on_oom": True, "free_page_reporting": True, "stats_polling_interval_s": 1,
+        "amount_mib": 0,
+        "deflate_on_oom": True,
+        "free_page_reporting": True,
+        "stats_polling_interval_s": 1,
     }
     machine = next(r for r in requests if r.schema == "MachineConfiguration")
     assert machine.body is not None and machine.body["track_dirty_pages"] is True
@@ -160,7 +167,8 @@ MACHINE = "MachineConfiguration"
         api.ApiRequest("PATCH", "/vm", {"state": "Stopped"}, "Vm"),
         api.ApiRequest("PUT", "/snapshot/create", {"snapshot_path": "/s"}, "SnapshotCreateParams"),
         api.ApiRequest(
-            "PUT", "/snapshot/load",
+            "PUT",
+            "/snapshot/load",
             {"snapshot_path": "/s", "mem_backend": {"backend_type": "Mmap", "backend_path": "/m"}},
             "SnapshotLoadParams",
         ),
@@ -228,7 +236,8 @@ async def test_client_speaks_http_over_the_api_socket(spec_doc: dict[str, Any], 
                 payload = json.dumps({"fault_message": "VM is already paused"}).encode()
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Length: {len(payload)}\r\n"
-                "Content-Type: application/json\r\n\r\n".encode() + payload
+                "Content-Type: application/json\r\n\r\n".encode()
+                + payload
             )
             await writer.drain()
 
@@ -304,7 +313,8 @@ class FakeVmm:
                 status, payload = self._answer(method, path, body)
                 writer.write(
                     f"HTTP/1.1 {status}\r\nContent-Length: {len(payload)}\r\n"
-                    "Content-Type: application/json\r\n\r\n".encode() + payload
+                    "Content-Type: application/json\r\n\r\n".encode()
+                    + payload
                 )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -367,9 +377,14 @@ class FakeHost:
         self.set_up.append(sandbox_id)
         self.live_networks.add(sandbox_id)
         return SandboxNetwork(
-            sandbox_id=sandbox_id, netns=f"ae-{sandbox_id}", slot=slot, host_if=f"aeh{slot}",
-            sandbox_if=f"aes{slot}", host_ip=f"10.213.0.{4 * slot + 1}",
-            sandbox_ip=f"10.213.0.{4 * slot + 2}", allow_internet_access=allow_internet_access,
+            sandbox_id=sandbox_id,
+            netns=f"ae-{sandbox_id}",
+            slot=slot,
+            host_if=f"aeh{slot}",
+            sandbox_if=f"aes{slot}",
+            host_ip=f"10.213.0.{4 * slot + 1}",
+            sandbox_ip=f"10.213.0.{4 * slot + 2}",
+            allow_internet_access=allow_internet_access,
         )
 
 
@@ -497,10 +512,15 @@ async def test_a_snapshot_with_its_parent_is_a_diff_applied_onto_the_parent(
 
     creates = vmm.sent("/snapshot/create")
     assert [body["snapshot_type"] for body in creates] == ["Full", "Diff"]
-    assert creates[1] == {"snapshot_path": str(s2.path / "vmstate.bin"),
-                          "mem_file_path": str(s2.path / "memory.diff"), "snapshot_type": "Diff"}
-    _validate(spec_doc, api.snapshot_create(Path(creates[1]["snapshot_path"]),
-                                            Path(creates[1]["mem_file_path"]), "Diff"))
+    assert creates[1] == {
+        "snapshot_path": str(s2.path / "vmstate.bin"),
+        "mem_file_path": str(s2.path / "memory.diff"),
+        "snapshot_type": "Diff",
+    }
+    _validate(
+        spec_doc,
+        api.snapshot_create(Path(creates[1]["snapshot_path"]), Path(creates[1]["mem_file_path"]), "Diff"),
+    )
     assert (s2.path / "memory.bin").read_bytes() == bytes(vmm.memory)
     assert not (s2.path / "memory.diff").exists()
     assert json.loads((s2.path / "vm.json").read_text())["type"] == "Diff"

@@ -10,11 +10,10 @@ import pytest
 from agentenv.config import QemuSettings, Settings
 from agentenv.errors import Invalid, http_status
 from agentenv.runtime.firecracker.runtime import FirecrackerRuntime
+from agentenv.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
 from agentenv.runtime.registry import (
-    cpu_has_hardware_virtualisation,
     firecracker_unusable_reason,
     get_runtime,
-    kvm_device_unusable_reason,
     runtime_names,
     select_runtime,
 )

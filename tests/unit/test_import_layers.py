@@ -17,7 +17,11 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run(
         [str(LINT_IMPORTS), str(root / "pyproject.toml"), "--no-cache"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -28,8 +32,9 @@ def test_the_tree_keeps_its_layers() -> None:
 
 
 def test_a_lower_layer_importing_a_higher_one_is_caught(tmp_path: Path) -> None:
-    shutil.copytree(REPO / "agentenv", tmp_path / "agentenv",
-                    ignore=shutil.ignore_patterns("__pycache__", "*_pb.py"))
+    shutil.copytree(
+        REPO / "agentenv", tmp_path / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+    )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     offender = tmp_path / "agentenv" / "storage" / "layering_offender.py"
     offender.write_text("from agentenv.orchestrator import lifecycle  # storage must not see it\n")
@@ -41,8 +46,9 @@ def test_a_lower_layer_importing_a_higher_one_is_caught(tmp_path: Path) -> None:
 
 
 def test_envd_importing_the_host_side_is_caught(tmp_path: Path) -> None:
-    shutil.copytree(REPO / "agentenv", tmp_path / "agentenv",
-                    ignore=shutil.ignore_patterns("__pycache__", "*_pb.py"))
+    shutil.copytree(
+        REPO / "agentenv", tmp_path / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+    )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "agentenv" / "envd" / "offender.py").write_text("import agentenv.config\n")
 

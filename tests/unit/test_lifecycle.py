@@ -10,7 +10,13 @@ import pytest_asyncio
 
 from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed, NotFound
-from agentenv.orchestrator.lifecycle import EDGES, STARTS_FROM, CreateRequest, Orchestrator, build_orchestrator
+from agentenv.orchestrator.lifecycle import (
+    EDGES,
+    STARTS_FROM,
+    CreateRequest,
+    Orchestrator,
+    build_orchestrator,
+)
 from agentenv.orchestrator.timing import utcnow
 from agentenv.orchestrator.undo import Undo
 from agentenv.types import SandboxState
@@ -72,8 +78,12 @@ async def test_a_committed_undo_undoes_nothing() -> None:
 @pytest_asyncio.fixture(loop_scope="session")
 async def orchestrator(tmp_path: Path) -> AsyncIterator[tuple[Orchestrator, LoopbackRuntime]]:
     write_template(tmp_path / "templates")
-    settings = Settings(data_dir=tmp_path / "data", templates_path=tmp_path / "templates",
-                        template_snapshots=False, warm_pool_high=0)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        templates_path=tmp_path / "templates",
+        template_snapshots=False,
+        warm_pool_high=0,
+    )
     runtime = LoopbackRuntime(settings)
     orch = build_orchestrator(settings, runtime)
     await orch.start()
@@ -83,11 +93,19 @@ async def orchestrator(tmp_path: Path) -> AsyncIterator[tuple[Orchestrator, Loop
 
 
 def request(template_id: str = "base") -> CreateRequest:
-    return CreateRequest(template_id=template_id, timeout_seconds=60, metadata={"k": "v"}, envs={},
-                         secure=False, allow_internet_access=True)
+    return CreateRequest(
+        template_id=template_id,
+        timeout_seconds=60,
+        metadata={"k": "v"},
+        envs={},
+        secure=False,
+        allow_internet_access=True,
+    )
 
 
-async def test_create_kill_and_the_states_recorded(orchestrator: tuple[Orchestrator, LoopbackRuntime]) -> None:
+async def test_create_kill_and_the_states_recorded(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
     orch, runtime = orchestrator
     rec = await orch.create(request())
     assert rec.state == SandboxState.RUNNING and rec.origin == "boot"
@@ -123,8 +141,12 @@ async def test_an_illegal_edge_is_refused(orchestrator: tuple[Orchestrator, Loop
 
 async def test_a_failed_create_is_undone(tmp_path: Path) -> None:
     write_template(tmp_path / "templates")
-    settings = Settings(data_dir=tmp_path / "data", templates_path=tmp_path / "templates",
-                        template_snapshots=False, warm_pool_high=0)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        templates_path=tmp_path / "templates",
+        template_snapshots=False,
+        warm_pool_high=0,
+    )
     runtime = LoopbackRuntime(settings, fail_create=True)
     orch = build_orchestrator(settings, runtime)
     await orch.start()
@@ -174,8 +196,11 @@ async def test_each_snapshot_names_the_previous_one_as_its_parent(
     first = await orch.create_snapshot(rec.sandbox_id, "first")
     second = await orch.create_snapshot(rec.sandbox_id, None)
     await orch.pause(rec.sandbox_id)
-    parents = [dest.parent.snapshot_id if dest.parent else None
-               for sid, dest, _ in runtime.snapshots if sid == rec.sandbox_id]
+    parents = [
+        dest.parent.snapshot_id if dest.parent else None
+        for sid, dest, _ in runtime.snapshots
+        if sid == rec.sandbox_id
+    ]
     assert parents == [None, first.snapshot_id, second.snapshot_id]
     assert second.parent_id == first.snapshot_id
     await orch.resume(rec.sandbox_id, 60)
@@ -194,7 +219,7 @@ async def test_each_snapshot_names_the_previous_one_as_its_parent(
 async def test_fork_children_are_independent_and_their_timeout_starts_when_handed_back(
     orchestrator: tuple[Orchestrator, LoopbackRuntime],
 ) -> None:
-    orch, runtime = orchestrator
+    orch, _ = orchestrator
     parent = await orch.create(request())
     outcomes = await orch.fork(parent.sandbox_id, 3, 30)
     children = [o.record for o in outcomes]

@@ -13,6 +13,7 @@ import pytest
 from agentenv.config import FirecrackerSettings, QemuSettings, Settings
 from agentenv.errors import Conflict, Gone, NotFound, Unavailable
 from agentenv.runtime.firecracker.runtime import FirecrackerRuntime
+from agentenv.runtime.kvm import kvm_unusable_reason
 from agentenv.runtime.microvm.runtime import (
     SNAPSHOT_META,
     Boot,
@@ -22,7 +23,6 @@ from agentenv.runtime.microvm.runtime import (
 )
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
-from agentenv.runtime.registry import kvm_unusable_reason
 from agentenv.storage import atomic
 from agentenv.storage.images import GuestImages, GuestKernel
 from agentenv.types import SnapshotRef

@@ -15,8 +15,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 def row(snapshot_id: str, name: str | None = None) -> SnapshotRow:
-    return SnapshotRow(snapshot_id=snapshot_id, kind="snapshot", source_sandbox_id="sbx1", runtime="gvisor",
-                       template_id="base", created_at=dt.datetime.now(dt.UTC), name=name)
+    return SnapshotRow(
+        snapshot_id=snapshot_id,
+        kind="snapshot",
+        source_sandbox_id="sbx1",
+        runtime="gvisor",
+        template_id="base",
+        created_at=dt.datetime.now(dt.UTC),
+        name=name,
+    )
 
 
 async def make_store(tmp_path: Path) -> tuple[SnapshotStore, aiosqlite.Connection]:

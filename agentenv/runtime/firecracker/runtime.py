@@ -156,14 +156,22 @@ def diff_base(state: dict[str, Any], dest: SnapshotRef) -> bool:
     if parent is None:
         return False
     if state.get(DIRTY_SINCE) != parent.snapshot_id:
-        log.info("firecracker snapshot %s: Full, the VM's dirty pages count from %s, not from its parent %s",
-                 dest.snapshot_id, state.get(DIRTY_SINCE), parent.snapshot_id)
+        log.info(
+            "firecracker snapshot %s: Full, the VM's dirty pages count from %s, not from its parent %s",
+            dest.snapshot_id,
+            state.get(DIRTY_SINCE),
+            parent.snapshot_id,
+        )
         return False
     try:
         copy_cow(parent.path / SNAPSHOT_MEMORY, dest.path / SNAPSHOT_MEMORY)
     except OSError as exc:
-        log.info("firecracker snapshot %s: Full, the memory of %s is gone: %s",
-                 dest.snapshot_id, parent.snapshot_id, exc)
+        log.info(
+            "firecracker snapshot %s: Full, the memory of %s is gone: %s",
+            dest.snapshot_id,
+            parent.snapshot_id,
+            exc,
+        )
         return False
     return True
 
@@ -254,8 +262,12 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     ) -> list[api.ApiRequest]:
         if boot.snapshot is None:
             return boot_requests(
-                boot.images, paths, vcpus=boot.vcpus, memory_mb=boot.memory_mb,
-                kernel=self.kernel(boot.images), boot_args=self.boot_args(boot.images),
+                boot.images,
+                paths,
+                vcpus=boot.vcpus,
+                memory_mb=boot.memory_mb,
+                kernel=self.kernel(boot.images),
+                boot_args=self.boot_args(boot.images),
             )
         if self.fc.uffd:
             state["uffd_pid"] = await self._start_uffd_handler(paths, boot.snapshot.path / SNAPSHOT_MEMORY)
@@ -271,10 +283,19 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
         console = await asyncio.to_thread(open, paths.console, "ab")
         try:
             proc = await asyncio.create_subprocess_exec(
-                "nsenter", f"--net={net.netns_path}", "--",
-                binary, "--api-sock", str(paths.api_socket), "--id", net.sandbox_id[:60],
-                cwd=paths.layer_dir, stdin=asyncio.subprocess.DEVNULL, stdout=console,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                "nsenter",
+                f"--net={net.netns_path}",
+                "--",
+                binary,
+                "--api-sock",
+                str(paths.api_socket),
+                "--id",
+                net.sandbox_id[:60],
+                cwd=paths.layer_dir,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=console,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
         finally:
             console.close()
@@ -285,8 +306,14 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     async def _start_uffd_handler(self, paths: FcPaths, memory: Path) -> int:
         """One page-fault server per restored VM (:mod:`.uffd`); it exits with its VMM."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(paths.uffd_socket), str(memory),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+            sys.executable,
+            "-m",
+            "agentenv.runtime.firecracker.uffd",
+            str(paths.uffd_socket),
+            str(memory),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
         )
         self._reap(proc)
         assert proc.stdout is not None
@@ -328,11 +355,22 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
         else:
             state[DIRTY_SINCE] = dest.snapshot_id
             write_marker(paths, state)
-        log.info("firecracker %s: %s (%s) in %s", instance.sandbox_id, "pause" if stop else "snapshot",
-                 "Diff" if diff else "Full", phases.summary())
+        log.info(
+            "firecracker %s: %s (%s) in %s",
+            instance.sandbox_id,
+            "pause" if stop else "snapshot",
+            "Diff" if diff else "Full",
+            phases.summary(),
+        )
 
     async def _save(
-        self, paths: FcPaths, state: dict[str, Any], dest: SnapshotRef, *, diff: bool, stop: bool,
+        self,
+        paths: FcPaths,
+        state: dict[str, Any],
+        dest: SnapshotRef,
+        *,
+        diff: bool,
+        stop: bool,
         phases: Phases,
     ) -> None:
         """Everything of a snapshot from the pause on; on failure the VM runs again."""
@@ -352,7 +390,11 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 if diff:
                     await asyncio.to_thread(complete_diff_memory, dest, memory)
                 write_snapshot_meta(
-                    dest, state, pvm=state.get("pvm", False), runtime=self.name, type=kind,
+                    dest,
+                    state,
+                    pvm=state.get("pvm", False),
+                    runtime=self.name,
+                    type=kind,
                     parent=dest.parent.snapshot_id if diff and dest.parent else None,
                 )
                 phases.mark("merge" if diff else "meta")

@@ -109,9 +109,7 @@ class PageServer:
     def handle_fault(self, address: int) -> bool:
         page = address & ~(self.page_size - 1)
         if page // self.page_size in self.removed:
-            return self._ioctl_retry(
-                UFFDIO_ZEROPAGE, struct.pack("QQQq", page, self.page_size, 0, 0)
-            )
+            return self._ioctl_retry(UFFDIO_ZEROPAGE, struct.pack("QQQq", page, self.page_size, 0, 0))
         region = self._region(page)
         src = self._base + region.offset + (page - region.base)
         ok = self._ioctl_retry(UFFDIO_COPY, struct.pack("QQQQq", page, src, self.page_size, 0, 0))

@@ -71,17 +71,21 @@ def elapsed_ms(start: float) -> float:
 
 
 def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
-    write_json_atomic(dest / META_FILE, {
-        "format": META_FORMAT,
-        "runtime": "gvisor",
-        "sandbox_id": instance.sandbox_id,
-        "network": instance.state.get("network"),
-        "template_id": instance.state.get("template_id"),
-        "template_rootfs": instance.state.get("template_rootfs"),
-        "platform": instance.state.get("platform"),
-        "layers": chain,
-        "created_at": time.time(),
-    }, indent=2)
+    write_json_atomic(
+        dest / META_FILE,
+        {
+            "format": META_FORMAT,
+            "runtime": "gvisor",
+            "sandbox_id": instance.sandbox_id,
+            "network": instance.state.get("network"),
+            "template_id": instance.state.get("template_id"),
+            "template_rootfs": instance.state.get("template_rootfs"),
+            "platform": instance.state.get("platform"),
+            "layers": chain,
+            "created_at": time.time(),
+        },
+        indent=2,
+    )
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -124,8 +128,14 @@ async def drop_host_connections(sandbox_ip: str) -> None:
     unsupported networking state"); the host's keep-alive connections to envd (proxy, SDK,
     orchestrator) would block every checkpoint. Clients reconnect on their next request."""
     proc = await asyncio.create_subprocess_exec(
-        "ss", "-K", "-t", "dst", sandbox_ip, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        "ss",
+        "-K",
+        "-t",
+        "dst",
+        sandbox_ip,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
     )
     await proc.wait()
 
@@ -143,8 +153,13 @@ async def checkpoint_container(runsc: Runsc, paths: SandboxPaths, address: str, 
         code, out = await runsc.run(
             "checkpoint", "--image-path", str(image), paths.container_id, check=False, limit=120
         )
-        log.info("checkpoint %s: runsc checkpoint attempt %d: %s ms (exit %s)",
-                 paths.sandbox_id, attempt, elapsed_ms(t), code)
+        log.info(
+            "checkpoint %s: runsc checkpoint attempt %d: %s ms (exit %s)",
+            paths.sandbox_id,
+            attempt,
+            elapsed_ms(t),
+            code,
+        )
         if code == 0 or "save rejected" not in out:
             break
         # The RSTs had not reached the netstack yet, or a new connection raced in: try again.

@@ -97,4 +97,3 @@ class RootDisks:
         for layer_id in removed:
             self._layer_bytes.pop(layer_id, None)
         return removed
-

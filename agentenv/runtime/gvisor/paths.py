@@ -63,11 +63,3 @@ class SandboxPaths:
     @property
     def runsc_log(self) -> Path:
         return self.root / "runsc.log"
-
-
-def tail(path: Path, size: int = 1500) -> str:
-    """The end of a log file, for error messages."""
-    try:
-        return path.read_bytes()[-size:].decode(errors="replace").strip() or "(empty)"
-    except OSError:
-        return "(none)"

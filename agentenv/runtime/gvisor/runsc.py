@@ -21,8 +21,9 @@ from pathlib import Path
 
 from agentenv.config import GvisorSettings
 from agentenv.errors import Failed
-from agentenv.runtime.gvisor.paths import SandboxPaths, tail
-from agentenv.runtime.registry import kvm_unusable_reason
+from agentenv.runtime.base import log_tail
+from agentenv.runtime.gvisor.paths import SandboxPaths
+from agentenv.runtime.kvm import kvm_unusable_reason
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,17 @@ class Runsc:
 
     def _platform_works(self, platform: str) -> bool:
         self._probe_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [self.binary, "--root", str(self._probe_dir), "--platform", platform,
-               "--network", "none", "do", "/bin/true"]
+        cmd = [
+            self.binary,
+            "--root",
+            str(self._probe_dir),
+            "--platform",
+            platform,
+            "--network",
+            "none",
+            "do",
+            "/bin/true",
+        ]
         try:
             return subprocess.run(cmd, capture_output=True, timeout=15).returncode == 0
         except subprocess.TimeoutExpired:
@@ -87,7 +97,9 @@ class Runsc:
     async def run(self, *args: str, check: bool = True, limit: float = 60.0) -> tuple[int, str]:
         """Run ``runsc <args>``: (exit code, stdout+stderr); a failure raises unless not ``check``."""
         proc = await asyncio.create_subprocess_exec(
-            *self.command(*args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *self.command(*args),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
         )
         try:
@@ -106,24 +118,37 @@ class Runsc:
         ``runsc restore`` of that checkpoint); its output goes to envd.log."""
         verb = ["run"] if image is None else ["restore", "--image-path", str(image)]
         cmd = self.command(
-            "--platform", self.platform(), "--network", "sandbox",
-            *verb, "--detach", "--bundle", str(paths.bundle), paths.container_id,
+            "--platform",
+            self.platform(),
+            "--network",
+            "sandbox",
+            *verb,
+            "--detach",
+            "--bundle",
+            str(paths.bundle),
+            paths.container_id,
             log_file=paths.runsc_log,
         )
         with paths.envd_log.open("ab") as out:
             proc = await asyncio.create_subprocess_exec(
-                *hide_proc_sys_net(cmd), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                *hide_proc_sys_net(cmd),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
             )
             try:
                 code = await asyncio.wait_for(proc.wait(), START_TIMEOUT)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-                raise Failed(f"runsc {verb[0]} of sandbox {paths.sandbox_id} did not finish "
-                             f"within {START_TIMEOUT:.0f}s") from None
+                raise Failed(
+                    f"runsc {verb[0]} of sandbox {paths.sandbox_id} did not finish "
+                    f"within {START_TIMEOUT:.0f}s"
+                ) from None
         if code != 0:
             raise Failed(
-                f"runsc {verb[0]} of sandbox {paths.sandbox_id} failed (exit {code}): {tail(paths.runsc_log)}"
+                f"runsc {verb[0]} of sandbox {paths.sandbox_id} failed (exit {code}): "
+                f"{log_tail(paths.runsc_log)}"
             )
 
     async def status(self, cid: str) -> str:

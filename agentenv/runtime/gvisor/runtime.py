@@ -26,11 +26,11 @@ import httpx
 from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed
 from agentenv.runtime import network
-from agentenv.runtime.base import CpuSampler, Runtime
+from agentenv.runtime.base import CpuSampler, Runtime, log_tail
 from agentenv.runtime.gvisor import cgroups, checkpoint
 from agentenv.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from agentenv.runtime.gvisor.disk import RootDisks
-from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir, tail
+from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir
 from agentenv.runtime.gvisor.runsc import Runsc
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.storage.atomic import write_json_atomic
@@ -62,9 +62,21 @@ ENVD_START_TIMEOUT = 60.0
 ENVD_RESTORE_TIMEOUT = 30.0
 #: The docker default capability set plus what envd needs to start processes as other users.
 CAPABILITIES = [
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
-    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE", "CAP_SYS_PTRACE",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+    "CAP_SYS_PTRACE",
 ]
 
 
@@ -73,8 +85,9 @@ class GvisorRuntime(Runtime):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        self.runsc = Runsc(settings.gvisor, root=settings.data_dir / "runsc",
-                           probe_dir=settings.data_dir / "runsc-probe")
+        self.runsc = Runsc(
+            settings.gvisor, root=settings.data_dir / "runsc", probe_dir=settings.data_dir / "runsc-probe"
+        )
         self.disks = RootDisks(settings.data_dir)
         self._cpu = CpuSampler()
 
@@ -167,16 +180,31 @@ class GvisorRuntime(Runtime):
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
                 {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
-                {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-                 "options": ["nosuid", "noexec", "nodev", "ro"]},
-                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-                 "options": ["nosuid", "nodev", "mode=1777"]},
-                {"destination": MOUNT_POINT, "type": "bind", "source": str(envd_bundle),
-                 "options": ["rbind", "ro"]},
+                {
+                    "destination": "/sys",
+                    "type": "sysfs",
+                    "source": "sysfs",
+                    "options": ["nosuid", "noexec", "nodev", "ro"],
+                },
+                {
+                    "destination": "/tmp",
+                    "type": "tmpfs",
+                    "source": "tmpfs",
+                    "options": ["nosuid", "nodev", "mode=1777"],
+                },
+                {
+                    "destination": MOUNT_POINT,
+                    "type": "bind",
+                    "source": str(envd_bundle),
+                    "options": ["rbind", "ro"],
+                },
             ],
             "linux": {
                 "namespaces": [
-                    {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                    {"type": "pid"},
+                    {"type": "ipc"},
+                    {"type": "uts"},
+                    {"type": "mount"},
                     {"type": "network", "path": net.netns_path},
                 ],
                 "cgroupsPath": cgroups.cgroups_path(spec.sandbox_id),
@@ -224,12 +252,12 @@ class GvisorRuntime(Runtime):
                 if status not in ("created", "running"):
                     raise Failed(
                         f"sandbox {paths.sandbox_id} stopped before envd started (runsc state: {status}); "
-                        f"envd output: {tail(paths.envd_log)}"
+                        f"envd output: {log_tail(paths.envd_log)}"
                     )
                 if time.monotonic() > deadline:
                     raise Failed(
                         f"envd of sandbox {paths.sandbox_id} did not answer {url}/health "
-                        f"within {limit:.0f}s; envd output: {tail(paths.envd_log)}"
+                        f"within {limit:.0f}s; envd output: {log_tail(paths.envd_log)}"
                     )
                 await asyncio.sleep(0.05)
 
@@ -247,16 +275,22 @@ class GvisorRuntime(Runtime):
             cpu_pct = self._cpu.percent(sid, cgroups.cpu_seconds(sid), vcpus) or 0.0
         disk_used = await asyncio.to_thread(self.disks.used_bytes, self.paths(sid))
         return SandboxMetrics(
-            cpu_count=vcpus, cpu_used_pct=round(cpu_pct, 2),
-            mem_used=cgroups.memory_used(sid), mem_total=int(instance.state.get("memory_mb", 512)) << 20,
-            disk_used=disk_used, disk_total=int(instance.state.get("disk_mb", 4096)) << 20,
+            cpu_count=vcpus,
+            cpu_used_pct=round(cpu_pct, 2),
+            mem_used=cgroups.memory_used(sid),
+            mem_total=int(instance.state.get("memory_mb", 512)) << 20,
+            disk_used=disk_used,
+            disk_total=int(instance.state.get("disk_mb", 4096)) << 20,
         )
 
     # -- crash recovery and garbage -------------------------------------------------------------
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
-        found = {cid.removeprefix(CONTAINER_PREFIX) for cid in await self.runsc.containers()
-                 if cid.startswith(CONTAINER_PREFIX)}
+        found = {
+            cid.removeprefix(CONTAINER_PREFIX)
+            for cid in await self.runsc.containers()
+            if cid.startswith(CONTAINER_PREFIX)
+        }
         found |= set(self._sandbox_dirs())
         found |= set(network.list_orphans(self.settings, keep))
         orphans = sorted(found - keep)
@@ -317,8 +351,9 @@ class GvisorRuntime(Runtime):
             t = time.monotonic()
             await self._restart_in_place(instance, paths, image, chain)
             timings["parent_restore_ms"] = elapsed_ms(t)
-        log.info("gvisor snapshot of %s (stop=%s, %d layers): %s",
-                 instance.sandbox_id, stop, len(chain), timings)
+        log.info(
+            "gvisor snapshot of %s (stop=%s, %d layers): %s", instance.sandbox_id, stop, len(chain), timings
+        )
 
     async def _restart_in_place(
         self, instance: SandboxInstance, paths: SandboxPaths, image: Path, chain: list[str]

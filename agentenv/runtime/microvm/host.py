@@ -14,17 +14,10 @@ import httpx
 import psutil
 
 from agentenv.errors import Failed
+from agentenv.runtime.base import log_tail
 
 #: Whether the VM process is still there (checked while waiting for envd).
 Alive = Callable[[], Awaitable[bool]]
-
-
-def log_tail(path: Path, limit: int = 1500) -> str:
-    """The end of a console or VMM log, for error messages."""
-    try:
-        return path.read_text(errors="replace")[-limit:]
-    except OSError:
-        return ""
 
 
 def pid_alive(pid: int | None, name_part: str, owner: str | None = None) -> bool:

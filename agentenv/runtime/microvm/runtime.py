@@ -261,8 +261,11 @@ class MicroVmRuntime(Runtime, Generic[P]):
         paths = self.paths(spec.sandbox_id)
         kept = await self._claim_dir(spec.sandbox_id, paths)
         state: dict[str, Any] = {
-            "paths": str(paths.root), "upper": str(paths.upper), "images": boot.images.to_json(),
-            "vcpus": boot.vcpus, "memory_mb": boot.memory_mb,
+            "paths": str(paths.root),
+            "upper": str(paths.upper),
+            "images": boot.images.to_json(),
+            "vcpus": boot.vcpus,
+            "memory_mb": boot.memory_mb,
             # The orchestrator records it in snapshots: sandboxes restored from them need it.
             "template_rootfs": str(spec.template.rootfs),
             "network": kept.to_state() if kept else None,

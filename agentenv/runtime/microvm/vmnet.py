@@ -41,9 +41,7 @@ async def add_tap(settings: Settings, net: SandboxNetwork) -> str:
     one per command: process start-up is most of what network set-up costs a restore."""
     gateway, guest = guest_addresses(settings)
     links = (
-        f"tuntap add dev {TAP_NAME} mode tap\n"
-        f"addr add {gateway}/30 dev {TAP_NAME}\n"
-        f"link set {TAP_NAME} up\n"
+        f"tuntap add dev {TAP_NAME} mode tap\naddr add {gateway}/30 dev {TAP_NAME}\nlink set {TAP_NAME} up\n"
     )
     await network.run("ip", "-n", net.netns, "-batch", "-", input=links)
     rules = (

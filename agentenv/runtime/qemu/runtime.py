@@ -35,9 +35,10 @@ from typing import Any, ClassVar, Literal
 
 from agentenv.config import Settings
 from agentenv.errors import Failed, Unavailable
+from agentenv.runtime.base import log_tail
+from agentenv.runtime.kvm import kvm_unusable_reason
 from agentenv.runtime.microvm import vmnet
 from agentenv.runtime.microvm.disks import snapshot_disk
-from agentenv.runtime.microvm.host import log_tail
 from agentenv.runtime.microvm.runtime import (
     Boot,
     MicroVmRuntime,
@@ -48,7 +49,6 @@ from agentenv.runtime.microvm.runtime import (
 )
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.runtime.qemu.qmp import Qmp, QmpError
-from agentenv.runtime.registry import kvm_unusable_reason
 from agentenv.storage.images import GuestImages
 from agentenv.types import RuntimeName, SandboxInstance, SnapshotRef
 
@@ -141,7 +141,12 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
     # -- command line -------------------------------------------------------------------------
 
     def command(
-        self, images: GuestImages, paths: QemuPaths, *, vcpus: int, memory_mb: int,
+        self,
+        images: GuestImages,
+        paths: QemuPaths,
+        *,
+        vcpus: int,
+        memory_mb: int,
         incoming_fd: int | None = None,
     ) -> list[str]:
         accel = self.accel
@@ -150,23 +155,44 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         cmd = [
             # TCG: legacy PIT/PIC/RTC as timer references (KVM guests have kvmclock).
             self.settings.qemu.qemu_path,
-            "-M", f"microvm,accel={accel}" + (",pit=on,pic=on,rtc=on" if accel == "tcg" else ""),
-            "-cpu", "host" if accel == "kvm" else "max",
-            "-m", str(memory_mb), "-smp", str(vcpus), "-nodefaults", "-no-user-config",
-            "-display", "none", "-no-reboot",
-            "-kernel", str(images.kernel.vmlinux), "-initrd", str(images.kernel.initramfs),
-            "-append", images.cmdline(guest, gateway) + " earlyprintk=ttyS0" + tcg_clock_args(accel),
-            "-serial", f"file:{paths.console}",
-            "-qmp", f"unix:{paths.qmp},server=on,wait=off",
-            "-pidfile", str(paths.pidfile), "-daemonize",
-            "-netdev", f"tap,id=net0,ifname={vmnet.TAP_NAME},script=no,downscript=no",
-            "-device", f"virtio-net-device,netdev=net0,mac={vmnet.GUEST_MAC}",
+            "-M",
+            f"microvm,accel={accel}" + (",pit=on,pic=on,rtc=on" if accel == "tcg" else ""),
+            "-cpu",
+            "host" if accel == "kvm" else "max",
+            "-m",
+            str(memory_mb),
+            "-smp",
+            str(vcpus),
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-kernel",
+            str(images.kernel.vmlinux),
+            "-initrd",
+            str(images.kernel.initramfs),
+            "-append",
+            images.cmdline(guest, gateway) + " earlyprintk=ttyS0" + tcg_clock_args(accel),
+            "-serial",
+            f"file:{paths.console}",
+            "-qmp",
+            f"unix:{paths.qmp},server=on,wait=off",
+            "-pidfile",
+            str(paths.pidfile),
+            "-daemonize",
+            "-netdev",
+            f"tap,id=net0,ifname={vmnet.TAP_NAME},script=no,downscript=no",
+            "-device",
+            f"virtio-net-device,netdev=net0,mac={vmnet.GUEST_MAC}",
         ]
         for serial, path, readonly in drives:
             ro = ",readonly=on" if readonly else ""
             cmd += [
-                "-drive", f"id={serial},file={path},format=raw,if=none,cache=unsafe{ro}",
-                "-device", f"virtio-blk-device,drive={serial},serial={serial}",
+                "-drive",
+                f"id={serial},file={path},format=raw,if=none,cache=unsafe{ro}",
+                "-device",
+                f"virtio-blk-device,drive={serial},serial={serial}",
             ]
         if incoming_fd is not None:
             # QEMU reads the migration stream from the open file itself (no `cat` and pipe).
@@ -220,8 +246,14 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         # Output goes to a file, not a pipe: the daemonised QEMU would hold a pipe open forever.
         with open(paths.qemu_log, "ab") as out:  # noqa: ASYNC230  # local file, opened once
             proc = await asyncio.create_subprocess_exec(
-                "nsenter", f"--net={net.netns_path}", "--", *cmd,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                "nsenter",
+                f"--net={net.netns_path}",
+                "--",
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
                 pass_fds=pass_fds,
             )
             code = await proc.wait()  # -daemonize: the parent exits once QEMU is initialised
@@ -285,8 +317,13 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             await self._stop_keeping_network(instance, paths)
         phases.mark("stop_vm" if stop else "cont")
         size_mib = (dest.path / SNAPSHOT_MEMORY).stat().st_size >> 20
-        log.info("qemu %s: %s in %s, memory %d MiB", instance.sandbox_id, "pause" if stop else "snapshot",
-                 phases.summary(), size_mib)
+        log.info(
+            "qemu %s: %s in %s, memory %d MiB",
+            instance.sandbox_id,
+            "pause" if stop else "snapshot",
+            phases.summary(),
+            size_mib,
+        )
 
     async def _migrate_to_file(self, qmp: Qmp, memory: Path) -> None:
         # Unthrottled: the default limit (128 MiB/s) paces a stopped VM's save too (0.8 s for
