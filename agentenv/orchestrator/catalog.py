@@ -9,8 +9,11 @@ each runtime free the layers nothing names any more.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime as dt
 import logging
 import secrets
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,23 +106,43 @@ class SnapshotCatalog:
 
     # -- writing -----------------------------------------------------------------------------
 
-    async def write(
-        self, runtime: Runtime, instance: SandboxInstance, *, stop: bool, parent: SnapshotRef | None = None
-    ) -> SnapshotRef:
-        """Snapshot ``instance`` into a temp dir and commit it by rename. The caller records it
-        with :meth:`add`: a crash before that leaves a directory the start-up sweep removes."""
+    async def take(
+        self,
+        runtime: Runtime,
+        instance: SandboxInstance,
+        *,
+        kind: SnapshotKind,
+        stop: bool,
+        template_id: str,
+        meta: SnapshotMeta,
+        name: str | None = None,
+        parent: SnapshotRef | None = None,
+    ) -> SnapshotRow:
+        """Snapshot ``instance`` into a temp dir, commit it by rename, then add its row. A crash
+        before the row leaves a directory the start-up sweep removes."""
+        started = time.monotonic()
         snapshot_id = new_snapshot_id()
         temp = storage.temp_ref(self._data_dir, snapshot_id)
         temp = SnapshotRef(snapshot_id=temp.snapshot_id, path=temp.path, parent=parent)
         try:
             await runtime.snapshot(instance, temp, stop=stop)
-            return await asyncio.to_thread(storage.commit_dir, self._data_dir, temp)
+            await asyncio.to_thread(storage.commit_dir, self._data_dir, temp)
         except BaseException:
             await asyncio.to_thread(storage.remove_dir, temp.path)
             raise
-
-    async def add(self, row: SnapshotRow) -> None:
+        row = SnapshotRow(
+            snapshot_id=snapshot_id,
+            kind=kind,
+            source_sandbox_id=instance.sandbox_id,
+            runtime=runtime.name,
+            template_id=template_id,
+            created_at=dt.datetime.now(dt.UTC),
+            name=name,
+            info=dataclasses.replace(meta, duration_ms=round((time.monotonic() - started) * 1000)).info(),
+            parent_id=parent.snapshot_id if parent else None,
+        )
         await self.store.add(row)
+        return row
 
     # -- reading -----------------------------------------------------------------------------
 

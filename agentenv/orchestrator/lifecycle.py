@@ -736,9 +736,6 @@ class Orchestrator:
     ) -> SnapshotRow:
         """Snapshot ``rec`` (caller holds its lock), commit it and add its row."""
         assert rec.instance is not None
-        started = time.monotonic()
-        parent = await self.catalog.parent_for(rec.memory_base)
-        ref = await self.catalog.write(self._runtime(rec), rec.instance, stop=stop, parent=parent)
         meta = SnapshotMeta(
             template_rootfs=rec.instance.state.get("template_rootfs"),
             cpu_count=rec.cpu_count,
@@ -747,27 +744,24 @@ class Orchestrator:
             envs=rec.envs,
             metadata=rec.metadata,
             envd_access_token=rec.envd_access_token,
-            duration_ms=elapsed_ms(started),
         )
-        row = SnapshotRow(
-            snapshot_id=ref.snapshot_id,
+        row = await self.catalog.take(
+            self._runtime(rec),
+            rec.instance,
             kind=kind,
-            source_sandbox_id=rec.sandbox_id,
-            runtime=rec.runtime,
+            stop=stop,
             template_id=rec.template_id,
-            created_at=utcnow(),
+            meta=meta,
             name=name,
-            info=meta.info(),
-            parent_id=parent.snapshot_id if parent else None,
+            parent=await self.catalog.parent_for(rec.memory_base),
         )
-        await self.catalog.add(row)
         rec.memory_base = row.snapshot_id
         await self.store.save(rec)
         await self.logs.event(
             rec.sandbox_id,
             "info",
-            f"{kind} snapshot {ref.snapshot_id} taken",
-            duration_ms=str(meta.duration_ms),
+            f"{kind} snapshot {row.snapshot_id} taken",
+            duration_ms=str(SnapshotMeta.of(row).duration_ms),
         )
         return row
 

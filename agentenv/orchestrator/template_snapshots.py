@@ -22,7 +22,7 @@ from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
 from agentenv.orchestrator.ids import new_sandbox_id
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.runtimes import RuntimeSet
-from agentenv.orchestrator.timing import elapsed_ms, utcnow
+from agentenv.orchestrator.timing import elapsed_ms
 from agentenv.runtime.base import Runtime
 from agentenv.storage.envd_bundle import bundle_hash
 from agentenv.storage.snapshots import SnapshotRow
@@ -113,25 +113,21 @@ class TemplateSnapshots:
         started = time.monotonic()
         instance = await runtime.create(spec)
         try:
-            ref = await self._catalog.write(runtime, instance, stop=True)
             meta = SnapshotMeta(
                 template_rootfs=str(image.rootfs),
                 cpu_count=image.vcpus,
                 memory_mb=image.memory_mb,
                 disk_mb=image.disk_mb,
-                duration_ms=elapsed_ms(started),
             )
-            row = SnapshotRow(
-                snapshot_id=ref.snapshot_id,
+            row = await self._catalog.take(
+                runtime,
+                instance,
                 kind="template",
-                source_sandbox_id=spec.sandbox_id,
-                runtime=runtime.name,
+                stop=True,
                 template_id=image.template_id,
-                created_at=utcnow(),
+                meta=meta,
                 name=key,
-                info=meta.info(),
             )
-            await self._catalog.add(row)
         finally:
             await runtime.kill(instance)
         log.info("template snapshot %s of %s made in %s ms", row.snapshot_id, key, elapsed_ms(started))
