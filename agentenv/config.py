@@ -86,6 +86,14 @@ class Settings(BaseSettings):
     #: pool up to ``high``. ``high = 0`` turns pooling off.
     warm_pool_low: int = 1
     warm_pool_high: int = 2
+    #: Tiered pause: a pause freezes the sandbox in place (memory, network and address kept; a
+    #: resume thaws it in milliseconds). False: every pause checkpoints to disk.
+    pause_freeze: bool = True
+    #: A sandbox frozen this long is moved to disk (checkpointed, its memory freed).
+    pause_disk_after_seconds: float = 120.0
+    #: While the node has less memory available than this, the longest-frozen sandboxes are
+    #: moved to disk, one at a time.
+    pause_min_available_mib: int = 1024
 
     @property
     def db_path(self) -> Path:

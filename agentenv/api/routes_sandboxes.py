@@ -276,6 +276,13 @@ async def list_sandboxes_v1(orch: Orch, metadata: str | None = None) -> JSONResp
 # -- metrics (before /sandboxes/{id} so "metrics" is not taken for an id) -------------------------
 
 
+@router.get("/metrics", include_in_schema=False)
+async def node_metrics(orch: Orch) -> Response:
+    """Our extension (not E2B's): the node's lifecycle timings and sandboxes by state and pause
+    tier, in Prometheus' text format (behind the API key like everything else)."""
+    return Response(await orch.node_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
 @router.get("/sandboxes/metrics")
 async def sandboxes_metrics(
     orch: Orch, sandbox_ids: Annotated[list[str] | None, Query()] = None

@@ -29,8 +29,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import NoReturn
 
+import psutil
+
 from agentenv.config import Settings
-from agentenv.errors import AgentenvError, Conflict, Failed, Gone, Invalid, NotFound, Unavailable
+from agentenv.errors import (
+    AgentenvError,
+    Conflict,
+    Failed,
+    Gone,
+    Invalid,
+    NotFound,
+    NotSupported,
+    Unavailable,
+)
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
@@ -43,9 +54,11 @@ from agentenv.orchestrator.store import (
     ListQuery,
     LogLine,
     Origin,
+    PauseTier,
     SandboxRecord,
     SandboxStore,
 )
+from agentenv.orchestrator.telemetry import Telemetry
 from agentenv.orchestrator.template_snapshots import TemplateSnapshot, TemplateSnapshots
 from agentenv.orchestrator.timing import elapsed_ms, utcnow
 from agentenv.orchestrator.undo import Undo
@@ -88,6 +101,8 @@ STARTS_FROM: dict[str, frozenset[SandboxState]] = {
     "fork": frozenset({S.RUNNING}),
     "set_timeout": frozenset({S.RUNNING, S.PAUSED}),
     "refresh": frozenset({S.RUNNING}),
+    # Within "paused": the frozen tier moves to disk (the API shows both tiers as paused).
+    "move_to_disk": frozenset({S.PAUSED}),
 }
 
 CLIENT_ID = "agentenv"
@@ -213,6 +228,7 @@ class Orchestrator:
         background: Background,
         envd: EnvdClient,
         logs: SandboxLogs,
+        telemetry: Telemetry,
     ) -> None:
         self.settings = settings
         self.runtimes = runtimes
@@ -222,11 +238,14 @@ class Orchestrator:
         self.background = background
         self.envd = envd
         self.logs = logs
+        self.telemetry = telemetry
         self._locks: dict[str, asyncio.Lock] = {}
         self._routes: dict[str, Route] = {}
         self._metrics: dict[str, list[MetricSample]] = {}
         self._idempotency: dict[str, str] = {}
         self._reaper: asyncio.Task[None] | None = None
+        #: Frozen sandboxes whose move to disk is under way.
+        self._moving: set[str] = set()
 
     # -- start-up and shut-down ----------------------------------------------------------------
 
@@ -267,6 +286,8 @@ class Orchestrator:
                 log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
                 with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
                     await self._destroy(rec, reason=f"server restart found it {rec.state} but not alive")
+        for rec in await self.store.in_states((S.PAUSED,)):
+            await self._recover_paused(rec)
         keep = {r.sandbox_id for r in await self.store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
         for runtime in self.runtimes:
             try:
@@ -276,6 +297,30 @@ class Orchestrator:
                 continue
             if removed:
                 log.info("recovery: %s removed leaked sandboxes %s", runtime.name, ", ".join(removed))
+
+    async def _recover_paused(self, rec: SandboxRecord) -> None:
+        """A frozen sandbox outlives the server (its processes stay, frozen); one a crash caught
+        moving to disk is frozen again if it still runs, or takes the pause snapshot that
+        checkpoint committed; one whose processes are gone (a host reboot) is lost."""
+        if rec.pause_tier == "disk":
+            return
+        alive = await self._is_alive(rec)
+        if alive and rec.pause_tier == "frozen":
+            log.info("recovery: paused sandbox %s is still frozen in place", rec.sandbox_id)
+            return
+        if alive and await self._freeze(rec):  # a move to disk was cut short: it runs, thawed
+            rec.pause_tier = "frozen"
+            await self.store.save(rec)
+            log.info("recovery: paused sandbox %s frozen again in place", rec.sandbox_id)
+            return
+        committed = await self.catalog.rows("pause", source=rec.sandbox_id)
+        if committed:
+            rec.pause_snapshot, rec.pause_tier = committed[0].snapshot_id, "disk"
+            await self.store.save(rec)
+            log.info("recovery: paused sandbox %s is on disk (%s)", rec.sandbox_id, rec.pause_snapshot)
+            return
+        with contextlib.suppress(Failed):
+            await self._destroy(rec, reason="server restart found the frozen sandbox gone")
 
     async def _is_alive(self, rec: SandboxRecord) -> bool:
         if rec.instance is None:
@@ -446,6 +491,7 @@ class Orchestrator:
                 await undo.rollback()
                 await self.logs.event(rec.sandbox_id, "error", f"sandbox creation failed: {exc}")
                 raise_failure(exc, "sandbox creation" if isinstance(source, Boot) else "sandbox restore")
+        self.telemetry.observe("create", rec.origin, time.monotonic() - started)
         await self.logs.event(
             rec.sandbox_id,
             "info",
@@ -584,8 +630,14 @@ class Orchestrator:
     # -- kill and timeouts ---------------------------------------------------------------------
 
     async def kill(self, sandbox_id: str) -> None:
+        started = time.monotonic()
         async with self._operate(sandbox_id, "kill") as rec:
             await self._destroy(rec, reason="killed by request")
+        self.telemetry.observe("kill", "", time.monotonic() - started)
+
+    async def node_metrics(self) -> bytes:
+        """The node's metrics in Prometheus' text format (the API's ``/metrics``)."""
+        return self.telemetry.exposition(await self.store.in_states((*LIVE_STATES, S.PAUSED)))
 
     async def _destroy(self, rec: SandboxRecord, *, reason: str) -> None:
         """Tear the sandbox down and mark it killed (caller holds the lock, or it is recovery)."""
@@ -629,6 +681,8 @@ class Orchestrator:
         while True:
             try:
                 await self._reap_expired()
+                frozen = [r for r in await self.store.in_states((S.PAUSED,)) if r.pause_tier == "frozen"]
+                self._move_frozen_to_disk(frozen)
                 if time.monotonic() - last_metrics >= METRICS_INTERVAL_SECONDS:
                     last_metrics = time.monotonic()
                     for rec in await self.store.in_states((S.RUNNING,)):
@@ -668,15 +722,52 @@ class Orchestrator:
             await self._pause_locked(rec)
 
     async def _pause_locked(self, rec: SandboxRecord) -> None:
+        """Freeze in place (the first tier) where the runtime can, else checkpoint to disk. A
+        frozen sandbox is moved to disk later by :meth:`_move_to_disk`."""
+        assert rec.instance is not None
         self._detach(rec.sandbox_id)
         await self._enter(rec, S.PAUSING)
+        started = time.monotonic()
+        if self.settings.pause_freeze and await self._freeze(rec):
+            await self._paused(rec, "frozen", started)
+            return
         try:
             row = await self._take_snapshot(rec, "pause", stop=True)
         except Exception as exc:
             await self._after_failed_snapshot(rec, exc)
             raise_failure(exc, f"pausing sandbox {rec.sandbox_id}")
         rec.pause_snapshot = row.snapshot_id
+        await self._paused(rec, "disk", started)
+
+    async def _freeze(self, rec: SandboxRecord) -> bool:
+        """Whether the sandbox is now frozen; False (checkpoint it instead) when the runtime cannot."""
+        assert rec.instance is not None
+        runtime = self._runtime(rec)
+        try:
+            await runtime.freeze(rec.instance)
+        except NotSupported:
+            return False
+        except AgentenvError as exc:
+            log.warning("freezing %s failed (%s); checkpointing it instead", rec.sandbox_id, exc)
+            try:
+                await runtime.thaw(rec.instance)
+            except AgentenvError as thaw_exc:  # the checkpoint that follows will say if it is stuck
+                log.warning("thawing %s after the failed freeze failed: %s", rec.sandbox_id, thaw_exc)
+            return False
+        return True
+
+    async def _paused(self, rec: SandboxRecord, tier: PauseTier, started: float) -> None:
+        rec.pause_tier = tier
+        rec.paused_at = utcnow()
         await self._enter(rec, S.PAUSED)
+        self.telemetry.observe("pause", tier, time.monotonic() - started)
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            f"sandbox paused ({tier})",
+            tier=tier,
+            duration_ms=str(elapsed_ms(started)),
+        )
 
     async def resume(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
         async with self._operate(sandbox_id, "resume") as rec:
@@ -693,24 +784,114 @@ class Orchestrator:
             return rec, False
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_seconds: int) -> SandboxRecord:
-        row = await self.catalog.get(rec.pause_snapshot or "")
-        if row is None:
-            raise Gone(f"the pause snapshot of sandbox {rec.sandbox_id} is missing")
+        """Thaw a frozen sandbox, or restore one from its pause snapshot on disk."""
+        tier = rec.pause_tier
+        row = None
+        if tier != "frozen":
+            row = await self.catalog.get(rec.pause_snapshot or "")
+            if row is None:
+                raise Gone(f"the pause snapshot of sandbox {rec.sandbox_id} is missing")
         await self._enter(rec, S.RESUMING)
         started = time.monotonic()
         try:
-            await self._restore_in_place(rec, row)
+            if row is None:
+                await self._thaw(rec)
+            else:
+                await self._restore_in_place(rec, row)
         except Exception as exc:
             await self._destroy(rec, reason=f"resume failed: {exc}")
             raise_failure(exc, f"resuming sandbox {rec.sandbox_id}")
         rec.pause_snapshot = None
+        rec.pause_tier = None
+        rec.paused_at = None
         rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
         await self._enter(rec, S.RUNNING)
         self._attach(rec)
-        await self.catalog.delete(row.snapshot_id)
-        await self.logs.event(rec.sandbox_id, "info", "sandbox resumed", duration_ms=str(elapsed_ms(started)))
-        self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+        self.telemetry.observe("resume", str(tier), time.monotonic() - started)
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            f"sandbox resumed ({tier})",
+            tier=str(tier),
+            duration_ms=str(elapsed_ms(started)),
+        )
+        if row is not None:
+            await self.catalog.delete(row.snapshot_id)
+            self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
         return rec
+
+    async def _thaw(self, rec: SandboxRecord) -> None:
+        """Let a frozen sandbox run again; ``/init`` sets its clock (a microVM's stood still)."""
+        assert rec.instance is not None
+        await self._runtime(rec).thaw(rec.instance)
+        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+
+    # -- moving frozen sandboxes to disk -------------------------------------------------------
+
+    def _move_frozen_to_disk(self, frozen: list[SandboxRecord]) -> None:
+        """The policy of the frozen tier, run by the reaper: a sandbox frozen longer than
+        ``pause_disk_after_seconds`` goes to disk; while the node is short of memory, so does the
+        longest-frozen one (one at a time: each checkpoint frees its memory before the next)."""
+        now = utcnow()
+        idle = dt.timedelta(seconds=self.settings.pause_disk_after_seconds)
+        for rec in frozen:
+            if rec.paused_at is not None and now - rec.paused_at >= idle:
+                self._start_move(rec.sandbox_id, "frozen for longer than pause_disk_after_seconds")
+        available_mib = psutil.virtual_memory().available >> 20
+        if frozen and available_mib < self.settings.pause_min_available_mib and not self._moving:
+            oldest = min(frozen, key=lambda r: r.paused_at or now)
+            self._start_move(oldest.sandbox_id, f"node memory short ({available_mib} MiB available)")
+
+    def _start_move(self, sandbox_id: str, reason: str) -> None:
+        if sandbox_id in self._moving:
+            return
+        self._moving.add(sandbox_id)
+        task = self.background.spawn(self._move_to_disk(sandbox_id, reason), name=f"to-disk-{sandbox_id}")
+        task.add_done_callback(lambda _: self._moving.discard(sandbox_id))
+
+    async def _move_to_disk(self, sandbox_id: str, reason: str) -> None:
+        """Checkpoint a frozen sandbox and free its memory; it stays paused (on disk). The record
+        says ``moving`` meanwhile, so a crash half-way is recovered (:meth:`_recover_paused`)."""
+        try:
+            async with self._operate(sandbox_id, "move_to_disk") as rec:
+                if rec.pause_tier != "frozen":
+                    return
+                assert rec.instance is not None
+                started = time.monotonic()
+                rec.pause_tier = "moving"
+                await self.store.save(rec)
+                runtime = self._runtime(rec)
+                await runtime.thaw(rec.instance)  # a checkpoint needs a running sandbox
+                try:
+                    row = await self._take_snapshot(rec, "pause", stop=True)
+                except Exception as exc:
+                    await self._stay_frozen(rec, exc)
+                    return
+                rec.pause_snapshot = row.snapshot_id
+                rec.pause_tier = "disk"
+                await self.store.save(rec)
+                self.telemetry.observe("move_to_disk", "disk", time.monotonic() - started)
+                await self.logs.event(
+                    sandbox_id,
+                    "info",
+                    f"paused sandbox moved to disk: {reason}",
+                    tier="disk",
+                    duration_ms=str(elapsed_ms(started)),
+                )
+        except (NotFound, Conflict):
+            return  # resumed or killed meanwhile
+
+    async def _stay_frozen(self, rec: SandboxRecord, exc: BaseException) -> None:
+        """A checkpoint that failed: freeze the sandbox again if it survived, else it is lost."""
+        assert rec.instance is not None
+        log.warning("moving paused sandbox %s to disk failed: %s", rec.sandbox_id, exc)
+        if await self._is_alive(rec) and await self._freeze(rec):
+            rec.pause_tier = "frozen"
+            await self.store.save(rec)
+            return
+        await self._destroy(
+            rec, reason=f"moving the paused sandbox to disk failed and it did not survive: {exc}"
+        )
 
     async def _restore_in_place(self, rec: SandboxRecord, row: SnapshotRow) -> None:
         """Bring ``rec`` back from ``row`` with its own id, address and network (resume, a fork's
@@ -783,6 +964,7 @@ class Orchestrator:
                 await self._after_failed_snapshot(rec, exc)
                 raise_failure(exc, f"snapshot of sandbox {sandbox_id}")
             self._attach(rec)
+            self.telemetry.observe("snapshot", "running", SnapshotMeta.of(row).duration_ms / 1000)
             return row
 
     async def list_snapshots(self, source: str | None = None, name: str | None = None) -> list[SnapshotRow]:
@@ -809,6 +991,7 @@ class Orchestrator:
         when the call returns, not when it was restored: a caller must be able to use it."""
         if not 1 <= count <= MAX_FORK_COUNT:
             raise Invalid(f"count must be between 1 and {MAX_FORK_COUNT}")
+        started = time.monotonic()
         async with self._operate(sandbox_id, "fork") as rec:
             self._detach(sandbox_id)
             try:
@@ -828,6 +1011,7 @@ class Orchestrator:
             # read the memory image: the snapshot itself is not needed any more.
             await self.catalog.delete(row.snapshot_id)
             await self.catalog.collect_garbage(self.runtimes)
+        self.telemetry.observe("fork", str(count), time.monotonic() - started)
         return [await self._restart_timeout(o, timeout_seconds) for o in outcomes]
 
     async def _revive_parent(self, rec: SandboxRecord, row: SnapshotRow) -> None:
@@ -889,4 +1073,5 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
         background=background,
         envd=EnvdClient(),
         logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
+        telemetry=Telemetry(),
     )

@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     origin TEXT NOT NULL DEFAULT 'boot',
     restored_from TEXT,
     pause_snapshot TEXT,
+    pause_tier TEXT,
+    paused_at REAL,
     memory_base TEXT,
     log_offsets TEXT NOT NULL DEFAULT '{}'
 );
@@ -70,6 +72,8 @@ ADDED_COLUMNS = (
     ("origin", "TEXT NOT NULL DEFAULT 'boot'"),
     ("restored_from", "TEXT"),
     ("pause_snapshot", "TEXT"),
+    ("pause_tier", "TEXT"),
+    ("paused_at", "REAL"),
     ("memory_base", "TEXT"),
     ("log_offsets", "TEXT NOT NULL DEFAULT '{}'"),
 )
@@ -88,6 +92,10 @@ LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
 #: How a sandbox came to be: booted from its template, restored from the template's snapshot,
 #: claimed from the warm pool, restored from a user snapshot, or restored as a fork child.
 Origin = Literal["boot", "template", "warm_pool", "snapshot", "fork"]
+
+#: Where a paused sandbox is: ``frozen`` in place (memory kept, resumes in milliseconds),
+#: ``moving`` to disk (its checkpoint under way), or on ``disk`` (checkpointed, memory freed).
+PauseTier = Literal["frozen", "moving", "disk"]
 
 
 def _ts(value: dt.datetime) -> float:
@@ -124,8 +132,11 @@ class SandboxRecord:
     origin: Origin = "boot"
     #: The snapshot this sandbox was restored from (user snapshot, template snapshot, fork).
     restored_from: str | None = None
-    #: While paused: the snapshot its resume restores.
+    #: While paused on disk: the snapshot its resume restores.
     pause_snapshot: str | None = None
+    #: While paused: which tier (the API shows both as ``paused``), and since when.
+    pause_tier: PauseTier | None = None
+    paused_at: dt.datetime | None = None
     #: The snapshot the sandbox's memory was last written to or restored from: the parent a
     #: runtime with incremental memory snapshots (Firecracker ``Diff``) takes the next one against.
     memory_base: str | None = None
@@ -159,6 +170,8 @@ _COLUMNS = (
     "origin",
     "restored_from",
     "pause_snapshot",
+    "pause_tier",
+    "paused_at",
     "memory_base",
     "log_offsets",
 )
@@ -190,6 +203,8 @@ def _to_row(rec: SandboxRecord) -> tuple[Any, ...]:
         rec.origin,
         rec.restored_from,
         rec.pause_snapshot,
+        rec.pause_tier,
+        _ts(rec.paused_at) if rec.paused_at else None,
         rec.memory_base,
         json.dumps(rec.log_offsets),
     )
@@ -224,6 +239,8 @@ def _from_row(row: aiosqlite.Row) -> SandboxRecord:
         origin=cast(Origin, row["origin"]),
         restored_from=row["restored_from"],
         pause_snapshot=row["pause_snapshot"],
+        pause_tier=cast("PauseTier | None", row["pause_tier"]),
+        paused_at=_dt(row["paused_at"]) if row["paused_at"] is not None else None,
         memory_base=row["memory_base"],
         log_offsets=json.loads(row["log_offsets"]),
     )
@@ -283,6 +300,8 @@ class SandboxStore:
                 " restored_from = json_extract(extra, '$.restored_from'),"
                 " log_offsets = coalesce(json_extract(extra, '$.log_offsets'), '{}')"
             )
+        if "pause_tier" not in have:  # every pause was a checkpoint before the frozen tier
+            await self.db.execute("UPDATE sandboxes SET pause_tier = 'disk' WHERE state = 'paused'")
 
     async def close(self) -> None:
         if self._db is not None:

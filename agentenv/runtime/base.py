@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from agentenv.config import Settings
+from agentenv.errors import NotSupported
 from agentenv.types import (
     LiveSnapshots,
     RuntimeName,
@@ -69,6 +70,19 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
         """Start a sandbox whose memory, processes and disk are those of ``source``."""
+
+    # -- the frozen pause tier -----------------------------------------------------------------
+
+    async def freeze(self, instance: SandboxInstance) -> None:
+        """Stop the sandbox where it stands, keeping its memory, processes, network and address
+        (the first tier of a pause: milliseconds, memory stays in use). A frozen sandbox is
+        still alive for :meth:`is_alive`; :meth:`kill` works on it. Before a :meth:`snapshot`
+        it is thawed. Runtimes that cannot freeze raise ``NotSupported``."""
+        raise NotSupported(f"the {self.name} runtime cannot freeze a sandbox")
+
+    async def thaw(self, instance: SandboxInstance) -> None:
+        """Let a frozen sandbox run again; a sandbox that is not frozen is left as it is."""
+        raise NotSupported(f"the {self.name} runtime cannot freeze a sandbox")
 
     async def collect_garbage(self, live_snapshots: LiveSnapshots) -> list[str]:
         """Free shared disk layers that neither a sandbox of this runtime nor a committed snapshot

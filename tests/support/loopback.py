@@ -122,7 +122,12 @@ class LoopbackRuntime(Runtime):
     name = "loopback"  # type: ignore[assignment]  # a test runtime, not one of RUNTIME_NAMES
 
     def __init__(
-        self, settings: Settings | None = None, *, fail_create: bool = False, snapshots: bool = True
+        self,
+        settings: Settings | None = None,
+        *,
+        fail_create: bool = False,
+        snapshots: bool = True,
+        freezes: bool = False,
     ) -> None:
         super().__init__(settings or Settings())
         self.servers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = {}
@@ -130,6 +135,9 @@ class LoopbackRuntime(Runtime):
         self.killed: list[str] = []
         self.fail_create = fail_create
         self.snapshots_supported = snapshots
+        self.freezes = freezes
+        #: Sandboxes frozen now (a frozen upstream stops answering, like a frozen sandbox).
+        self.frozen: set[str] = set()
         #: (sandbox id, where, stop) of every snapshot, and (sandbox id, source) of every restore.
         self.snapshots: list[tuple[str, SnapshotRef, bool]] = []
         self.restores: list[tuple[str, SnapshotRef]] = []
@@ -202,8 +210,19 @@ class LoopbackRuntime(Runtime):
         dest.path.mkdir(parents=True, exist_ok=True)
         (dest.path / "loopback.json").write_text(json.dumps({"source": instance.sandbox_id}))
         self.snapshots.append((instance.sandbox_id, dest, stop))
+        assert instance.sandbox_id not in self.frozen, "a frozen sandbox is thawed before its checkpoint"
         if stop:
             await self.kill(instance)
+
+    async def freeze(self, instance: SandboxInstance) -> None:
+        if not self.freezes:
+            raise NotSupported("this loopback test runtime cannot freeze")
+        self.frozen.add(instance.sandbox_id)
+
+    async def thaw(self, instance: SandboxInstance) -> None:
+        if not self.freezes:
+            raise NotSupported("this loopback test runtime cannot freeze")
+        self.frozen.discard(instance.sandbox_id)
 
     async def restore(self, spec: SandboxSpec, source: SnapshotRef) -> SandboxInstance:
         if not (source.path / "loopback.json").is_file():

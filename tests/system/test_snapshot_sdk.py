@@ -147,10 +147,18 @@ def fork_committed(server: ServerProcess) -> bool:
         db.close()
 
 
+@pytest.fixture()
+def disk_pause_server() -> Iterator[ServerProcess]:
+    """A server of our own whose pauses checkpoint to disk at once (no frozen tier): a kill -9
+    lands inside the checkpoint (tests/system/test_pause_tiers.py covers the frozen tier)."""
+    yield from own_server("agentenv-snap-", {"AGENTENV_PAUSE_FREEZE": "false"})
+
+
 @pytest.mark.parametrize("operation", sorted(INTERRUPTED))
 def test_kill_9_mid_operation_keeps_committed_snapshots_and_leaks_nothing(
-    private_server: ServerProcess, operation: str
+    disk_pause_server: ServerProcess, operation: str
 ) -> None:
+    private_server = disk_pause_server
     opts = sdk_opts(private_server)
     sbx = Sandbox.create(timeout=300, **opts)
     start_state(sbx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -238,3 +239,75 @@ async def test_fork_children_are_independent_and_their_timeout_starts_when_hande
     assert await orch.catalog.rows("fork") == []  # the fork's one checkpoint is gone
     for sid in ids | {parent.sandbox_id}:
         await orch.kill(sid)
+
+
+async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_path: Path) -> None:
+    write_template(tmp_path / "templates")
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        templates_path=tmp_path / "templates",
+        template_snapshots=False,
+        warm_pool_high=0,
+        pause_disk_after_seconds=3600,
+    )
+    runtime = LoopbackRuntime(settings, freezes=True)
+    orch = build_orchestrator(settings, runtime)
+    await orch.start()
+    try:
+        rec = await orch.create(request())
+        await orch.pause(rec.sandbox_id)
+        frozen = await orch.get(rec.sandbox_id)
+        assert (frozen.state, frozen.pause_tier, frozen.pause_snapshot) == (
+            SandboxState.PAUSED,
+            "frozen",
+            None,
+        )
+        assert rec.sandbox_id in runtime.frozen and not runtime.snapshots
+        resumed, was_paused = await orch.connect(rec.sandbox_id, 60)
+        assert was_paused and resumed.pause_tier is None and rec.sandbox_id not in runtime.frozen
+        assert not runtime.restores  # thawed in place, not restored
+
+        await orch.pause(rec.sandbox_id)
+        orch._move_frozen_to_disk([])  # nothing frozen long enough, memory plentiful: nothing moves
+        await orch._move_to_disk(rec.sandbox_id, "test")
+        on_disk = await orch.get(rec.sandbox_id)
+        assert (on_disk.state, on_disk.pause_tier) == (SandboxState.PAUSED, "disk")
+        assert on_disk.pause_snapshot is not None and runtime.snapshots[-1][2] is True  # stop=True
+        resumed, _ = await orch.connect(rec.sandbox_id, 60)
+        assert resumed.state == SandboxState.RUNNING and runtime.restores[-1][0] == rec.sandbox_id
+
+        metrics = (await orch.node_metrics()).decode()
+        assert 'agentenv_lifecycle_seconds_count{detail="frozen",operation="pause"} 2.0' in metrics
+        assert 'agentenv_lifecycle_seconds_count{detail="disk",operation="resume"} 1.0' in metrics
+        assert 'agentenv_sandboxes{state="running",tier=""} 1.0' in metrics
+        await orch.kill(rec.sandbox_id)
+    finally:
+        await orch.close()
+        await runtime.close()
+
+
+async def test_frozen_sandboxes_past_the_idle_period_move_to_disk(tmp_path: Path) -> None:
+    write_template(tmp_path / "templates")
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        templates_path=tmp_path / "templates",
+        template_snapshots=False,
+        warm_pool_high=0,
+        pause_disk_after_seconds=0.5,
+    )
+    runtime = LoopbackRuntime(settings, freezes=True)
+    orch = build_orchestrator(settings, runtime)
+    await orch.start()
+    try:
+        rec = await orch.create(request())
+        await orch.pause(rec.sandbox_id)
+        for _ in range(100):  # the reaper's policy runs every half second
+            if (await orch.get(rec.sandbox_id)).pause_tier == "disk":
+                break
+            await asyncio.sleep(0.05)
+        assert (await orch.get(rec.sandbox_id)).pause_tier == "disk"
+        await orch.kill(rec.sandbox_id)
+        assert await orch.catalog.rows("pause") == []  # a killed sandbox's pause snapshot goes too
+    finally:
+        await orch.close()
+        await runtime.close()

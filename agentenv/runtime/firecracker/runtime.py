@@ -37,7 +37,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import httpx
 
@@ -329,6 +329,20 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
         reaper.add_done_callback(self._reapers.discard)
 
     # -- snapshots ----------------------------------------------------------------------------
+
+    async def freeze(self, instance: SandboxInstance) -> None:
+        """Pause the vCPUs (``PATCH /vm``): memory, devices, tap and address stay."""
+        await self._vm_state(instance, "Paused")
+
+    async def thaw(self, instance: SandboxInstance) -> None:
+        await self._vm_state(instance, "Resumed")
+
+    async def _vm_state(self, instance: SandboxInstance, state: Literal["Paused", "Resumed"]) -> None:
+        client = api.FirecrackerClient(self.paths(instance.sandbox_id).api_socket, timeout=SNAPSHOT_TIMEOUT)
+        try:
+            await client.send(api.vm_state(state))
+        finally:
+            await client.close()
 
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
         """Pause the vCPUs, write VM state and memory, clone the upper drive, then resume (or, with

@@ -27,7 +27,7 @@ from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed
 from agentenv.runtime import network
 from agentenv.runtime.base import CpuSampler, Runtime, log_tail
-from agentenv.runtime.gvisor import cgroups, checkpoint
+from agentenv.runtime.gvisor import cgroups, checkpoint, freezer
 from agentenv.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from agentenv.runtime.gvisor.disk import RootDisks
 from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir
@@ -128,7 +128,15 @@ class GvisorRuntime(Runtime):
             raise
         return instance
 
+    async def freeze(self, instance: SandboxInstance) -> None:
+        await freezer.freeze(instance.sandbox_id)
+
+    async def thaw(self, instance: SandboxInstance) -> None:
+        await freezer.thaw(instance.sandbox_id)
+
     async def kill(self, instance: SandboxInstance) -> None:
+        # A frozen sandbox's tasks take no SIGKILL until thawed (cgroup v1).
+        await freezer.thaw(instance.sandbox_id)
         net_state = instance.state.get("network")
         net = SandboxNetwork.from_state(net_state) if net_state else None
         await self._destroy(self.paths(instance.sandbox_id), net)

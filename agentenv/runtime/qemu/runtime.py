@@ -283,6 +283,20 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
 
     # -- snapshots ----------------------------------------------------------------------------
 
+    async def freeze(self, instance: SandboxInstance) -> None:
+        """Stop the vCPUs (QMP ``stop``): RAM, devices, tap and address stay."""
+        await self._qmp_command(instance, "stop")
+
+    async def thaw(self, instance: SandboxInstance) -> None:
+        await self._qmp_command(instance, "cont")
+
+    async def _qmp_command(self, instance: SandboxInstance, command: str) -> None:
+        qmp = await Qmp.connect(self.paths(instance.sandbox_id).qmp)
+        try:
+            await qmp.execute(command)
+        finally:
+            await qmp.close()
+
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
         """Stop the vCPUs, clone the upper drive and migrate RAM + device state to a file.
 

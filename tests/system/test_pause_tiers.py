@@ -1,0 +1,165 @@
+"""Tiered pause through the official ``e2b`` SDK against a real ``agentenv serve`` (gVisor): a
+pause freezes the sandbox in place; after an idle period it moves to disk; a resume thaws it or
+restores it; both tiers survive a server kill -9. The API shows both tiers as ``paused``."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+
+import pytest
+from e2b import Sandbox
+
+from tests.support import base_template_missing
+from tests.support.counter import assert_state_continues, start_state
+from tests.support.leaks import wait_no_host_resources
+from tests.support.server import ServerProcess, kill_all_sandboxes, serve, start_server
+
+pytestmark = pytest.mark.requires_root("gVisor sandboxes, network namespaces")
+
+
+def tier(server: ServerProcess, sandbox_id: str) -> tuple[str, str | None]:
+    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3", timeout=5)
+    try:
+        state, pause_tier = db.execute(
+            "SELECT state, pause_tier FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)
+        ).fetchone()
+    finally:
+        db.close()
+    return str(state), pause_tier
+
+
+def wait_tier(server: ServerProcess, sandbox_id: str, wanted: str, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while tier(server, sandbox_id) != ("paused", wanted):
+        assert time.monotonic() < deadline, f"{sandbox_id} never reached {wanted}: {tier(server, sandbox_id)}"
+        time.sleep(0.1)
+
+
+def tiered_server(disk_after: float) -> Iterator[ServerProcess]:
+    reason = base_template_missing()
+    if reason:
+        pytest.skip(reason)
+    with serve(
+        prefix="agentenv-tiers-", extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": str(disk_after)}
+    ) as server:
+        yield server
+
+
+@pytest.fixture()
+def quick_disk_server() -> Iterator[ServerProcess]:
+    """Frozen sandboxes move to disk after one second."""
+    yield from tiered_server(1.0)
+
+
+def test_freeze_then_idle_to_disk_then_resume_keeps_process_and_files(
+    quick_disk_server: ServerProcess,
+) -> None:
+    opts = quick_disk_server.sdk_opts
+    sbx = Sandbox.create(timeout=300, **opts)
+    try:
+        before = start_state(sbx)
+        assert sbx.pause() is True
+        assert Sandbox.get_info(sbx.sandbox_id, **opts).state.value == "paused"
+        assert tier(quick_disk_server, sbx.sandbox_id)[1] in ("frozen", "moving", "disk")
+        wait_tier(quick_disk_server, sbx.sandbox_id, "disk")
+        assert Sandbox.get_info(sbx.sandbox_id, **opts).state.value == "paused"  # the tier is ours
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=300, **opts)
+        assert_state_continues(resumed, before)
+        assert tier(quick_disk_server, sbx.sandbox_id) == ("running", None)
+        # A second round starts frozen again and thaws in place.
+        resumed.pause()
+        assert tier(quick_disk_server, sbx.sandbox_id) == ("paused", "frozen")
+        again = Sandbox.connect(sbx.sandbox_id, timeout=300, **opts)
+        assert_state_continues(again, before)
+    finally:
+        sbx.kill()
+    assert wait_no_host_resources(sbx.sandbox_id) == []
+
+
+def test_frozen_pause_thaws_in_place(quick_disk_server: ServerProcess) -> None:
+    opts = quick_disk_server.sdk_opts
+    sbx = Sandbox.create(timeout=300, **opts)
+    try:
+        before = start_state(sbx)
+        sbx.pause()
+        assert tier(quick_disk_server, sbx.sandbox_id) == ("paused", "frozen")
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=300, **opts)
+        assert_state_continues(resumed, before)
+        logs = sqlite3.connect(quick_disk_server.data_dir / "agentenv.sqlite3")
+        messages = [
+            m
+            for (m,) in logs.execute(
+                "SELECT message FROM sandbox_logs WHERE sandbox_id = ? ORDER BY id", (sbx.sandbox_id,)
+            )
+        ]
+        logs.close()
+        assert "sandbox paused (frozen)" in messages and "sandbox resumed (frozen)" in messages
+    finally:
+        sbx.kill()
+    assert wait_no_host_resources(sbx.sandbox_id) == []
+
+
+def test_killing_a_frozen_sandbox_frees_everything(quick_disk_server: ServerProcess) -> None:
+    opts = quick_disk_server.sdk_opts
+    sbx = Sandbox.create(timeout=300, **opts)
+    sbx.pause()
+    assert tier(quick_disk_server, sbx.sandbox_id) == ("paused", "frozen")
+    assert Sandbox.kill(sbx.sandbox_id, **opts) is True
+    assert wait_no_host_resources(sbx.sandbox_id) == []
+
+
+def test_server_kill_9_with_sandboxes_in_every_tier_loses_and_leaks_nothing() -> None:
+    """running, frozen and on disk across a kill -9 of the server: each comes back as it was."""
+    reason = base_template_missing()
+    if reason:
+        pytest.skip(reason)
+    with serve(prefix="agentenv-tiers-", extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": "1"}) as first:
+        opts = first.sdk_opts
+        on_disk = Sandbox.create(timeout=600, **opts)
+        disk_state = start_state(on_disk)
+        on_disk.pause()
+        wait_tier(first, on_disk.sandbox_id, "disk")
+        first.kill_hard()
+        # Same data dir, a server that keeps frozen sandboxes frozen for long.
+        second = start_server(
+            first.data_dir,
+            port=first.port,
+            api_key=first.api_key,
+            extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": "600"},
+        )
+        try:
+            running = Sandbox.create(timeout=600, **opts)
+            running_state = start_state(running)
+            frozen = Sandbox.create(timeout=600, **opts)
+            frozen_state = start_state(frozen)
+            frozen.pause()
+            assert tier(second, frozen.sandbox_id) == ("paused", "frozen")
+            second.kill_hard()
+            third = start_server(
+                first.data_dir,
+                port=first.port,
+                api_key=first.api_key,
+                extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": "600"},
+            )
+            try:
+                assert tier(third, on_disk.sandbox_id) == ("paused", "disk")
+                assert tier(third, frozen.sandbox_id) == ("paused", "frozen")
+                assert tier(third, running.sandbox_id) == ("running", None)
+                assert_state_continues(
+                    Sandbox.connect(running.sandbox_id, timeout=600, **opts), running_state
+                )
+                assert_state_continues(Sandbox.connect(frozen.sandbox_id, timeout=600, **opts), frozen_state)
+                assert_state_continues(Sandbox.connect(on_disk.sandbox_id, timeout=600, **opts), disk_state)
+                ids = [running.sandbox_id, frozen.sandbox_id, on_disk.sandbox_id]
+                for sid in ids:
+                    assert Sandbox.kill(sid, **opts) is True
+                for sid in ids:
+                    assert wait_no_host_resources(sid) == []
+            finally:
+                kill_all_sandboxes(third)
+                third.stop()
+        finally:
+            kill_all_sandboxes(second)  # nothing when it is already down
+            second.stop()
