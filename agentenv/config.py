@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     #: pool up to ``high``. ``high = 0`` turns pooling off.
     warm_pool_low: int = 1
     warm_pool_high: int = 2
+    #: Standbys: a user snapshot restored more than once keeps this many sandboxes restored from it
+    #: ahead of demand (0 turns standbys off), for at most ``snapshot_standby_snapshots`` snapshots.
+    snapshot_standbys: int = 2
+    snapshot_standby_snapshots: int = 4
     #: Tiered pause: a pause freezes the sandbox in place (memory, network and address kept; a
     #: resume thaws it in milliseconds). False: every pause checkpoints to disk.
     pause_freeze: bool = True

@@ -49,6 +49,7 @@ from agentenv.orchestrator.envd_client import EnvdClient
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.logs import SandboxLogs
 from agentenv.orchestrator.runtimes import RuntimeSet
+from agentenv.orchestrator.standbys import Standbys
 from agentenv.orchestrator.store import (
     LIVE_STATES,
     ListQuery,
@@ -204,6 +205,8 @@ def _created_message(rec: SandboxRecord) -> str:
         return "sandbox created"
     if rec.origin == "warm_pool":
         return "sandbox created from the warm pool"
+    if rec.origin == "standby":
+        return f"sandbox created from a standby of {rec.restored_from}"
     if rec.origin == "template":
         return f"sandbox created from its template's snapshot {rec.restored_from}"
     return f"sandbox restored from {rec.restored_from}"
@@ -225,6 +228,7 @@ class Orchestrator:
         store: SandboxStore,
         catalog: SnapshotCatalog,
         template_snapshots: TemplateSnapshots,
+        standbys: Standbys,
         background: Background,
         envd: EnvdClient,
         logs: SandboxLogs,
@@ -235,6 +239,7 @@ class Orchestrator:
         self.store = store
         self.catalog = catalog
         self.template_snapshots = template_snapshots
+        self.standbys = standbys
         self.background = background
         self.envd = envd
         self.logs = logs
@@ -265,6 +270,7 @@ class Orchestrator:
         """Stop background work and kill pooled sandboxes. Sandboxes with a record keep running:
         a restarted server re-attaches them."""
         await self.template_snapshots.close()
+        await self.standbys.close()
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -416,7 +422,7 @@ class Orchestrator:
     async def _create(self, req: CreateRequest) -> SandboxRecord:
         row = await self.catalog.find_user_snapshot(req.template_id)
         if row is not None:
-            return await self._restore_new(row, req, origin="snapshot")
+            return await self._from_user_snapshot(row, req)
         info = templates.load(req.template_id, self.settings)
         runtime = self.runtimes.for_template(info.image)
         snap = await self.template_snapshots.lookup(info, runtime)
@@ -456,6 +462,20 @@ class Orchestrator:
             await self.template_snapshots.drop(snap)
             self.background.spawn(self.catalog.collect_garbage(self.runtimes))
             return None
+
+    async def _from_user_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
+        """Claim a standby of the snapshot, else restore it. Standbys have internet access."""
+        instance = await self.standbys.claim(row) if req.allow_internet_access is not False else None
+        if instance is not None:
+            rec = self._from_snapshot_record(row, instance.sandbox_id, req, None, "standby")
+            image = SnapshotMeta.of(row).image(row.template_id)
+            try:
+                return await self._bring_up(
+                    rec, self._runtime(rec), Claim(instance, image), req.timeout_seconds
+                )
+            except AgentenvError as exc:
+                log.warning("claiming standby %s failed (%s); restoring instead", rec.sandbox_id, exc)
+        return await self._restore_new(row, req, origin="snapshot")
 
     async def _restore_new(
         self, row: SnapshotRow, req: CreateRequest, *, origin: Origin, template_id: str | None = None
@@ -978,6 +998,7 @@ class Orchestrator:
         row = await self.catalog.find_user_snapshot(name_or_id)
         if row is None:
             raise NotFound(f"template '{name_or_id}' not found")
+        await self.standbys.forget(row.snapshot_id)
         await self.catalog.delete(row.snapshot_id)
         await self.catalog.collect_garbage(self.runtimes)
 
@@ -1070,6 +1091,7 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
         store=store,
         catalog=catalog,
         template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background),
+        standbys=Standbys(settings, catalog, runtimes),
         background=background,
         envd=EnvdClient(),
         logs=SandboxLogs(store, settings.data_dir / "sandboxes"),

@@ -52,6 +52,11 @@ class WarmPool:
     def enabled(self) -> bool:
         return self.high > 0
 
+    def ready(self, key: str) -> int:
+        """How many sandboxes of ``key`` wait to be claimed."""
+        pool = self._pools.get(key)
+        return len(pool.ready) if pool else 0
+
     def take(self, key: str) -> SandboxInstance | None:
         """A ready sandbox for ``key`` (removed from the pool), or None; refills below ``low``."""
         pool = self._pools.setdefault(key, _Pool())

@@ -90,8 +90,9 @@ LIVE_STATES = (
 LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
 
 #: How a sandbox came to be: booted from its template, restored from the template's snapshot,
-#: claimed from the warm pool, restored from a user snapshot, or restored as a fork child.
-Origin = Literal["boot", "template", "warm_pool", "snapshot", "fork"]
+#: claimed from the warm pool, restored from a user snapshot or claimed from its standbys, or
+#: restored as a fork child.
+Origin = Literal["boot", "template", "warm_pool", "snapshot", "standby", "fork"]
 
 #: Where a paused sandbox is: ``frozen`` in place (memory kept, resumes in milliseconds),
 #: ``moving`` to disk (its checkpoint under way), or on ``disk`` (checkpointed, memory freed).

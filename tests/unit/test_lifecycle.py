@@ -311,3 +311,48 @@ async def test_frozen_sandboxes_past_the_idle_period_move_to_disk(tmp_path: Path
     finally:
         await orch.close()
         await runtime.close()
+
+
+async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_path: Path) -> None:
+    write_template(tmp_path / "templates")
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        templates_path=tmp_path / "templates",
+        template_snapshots=False,
+        warm_pool_high=0,
+        snapshot_standbys=2,
+    )
+    runtime = LoopbackRuntime(settings)
+    orch = build_orchestrator(settings, runtime)
+    await orch.start()
+    try:
+        source = await orch.create(request())
+        snap = await orch.create_snapshot(source.sandbox_id, "task-start")
+        first = await orch.create(request(snap.snapshot_id))
+        second = await orch.create(request(snap.snapshot_id))
+        assert (first.origin, second.origin) == ("snapshot", "snapshot")
+        for _ in range(200):
+            if orch.standbys.pool.ready(snap.snapshot_id) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert orch.standbys.pool.ready(snap.snapshot_id) == 2
+        third = await orch.create(
+            CreateRequest(
+                template_id=snap.snapshot_id,
+                timeout_seconds=60,
+                metadata={},
+                envs={"MINE": "1"},
+                secure=False,
+                allow_internet_access=True,
+            )
+        )
+        assert third.origin == "standby" and third.restored_from == snap.snapshot_id
+        assert third.envs == {"MINE": "1"} and orch.route(third.sandbox_id) is not None
+        await orch.delete_snapshot(snap.snapshot_id)
+        assert orch.standbys.pool.ready(snap.snapshot_id) == 0  # its standbys went with it
+        for rec in (source, first, second, third):
+            await orch.kill(rec.sandbox_id)
+    finally:
+        await orch.close()
+        await runtime.close()
+    assert not runtime.servers  # nothing left running, standbys included
