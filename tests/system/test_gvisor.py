@@ -217,3 +217,29 @@ async def test_concurrent_creates_get_distinct_slots(
     for instance in instances:
         code, out = await run(instance, "echo ok")
         assert (code, out.strip()) == (0, "ok")
+
+
+async def test_freeze_keeps_the_sandbox_and_thaw_lets_it_go_on(
+    gvisor: GvisorRuntime, sandbox_factory: SandboxFactory
+) -> None:
+    """The frozen pause tier: envd stops answering, the sandbox stays alive with its processes
+    and address; a thaw lets the same processes go on; a frozen sandbox can be killed."""
+    instance = await sandbox_factory(gvisor)
+    code, pid = await run(instance, "sleep 1000 >/dev/null 2>&1 & echo $!")
+    assert code == 0, pid
+    started = time.monotonic()
+    await gvisor.freeze(instance)
+    print(f"\ngvisor freeze: {(time.monotonic() - started) * 1000:.1f} ms")
+    assert await gvisor.is_alive(instance)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        with pytest.raises(httpx.TimeoutException):
+            await client.get(f"{instance.envd_url}/health", timeout=1.0)
+    started = time.monotonic()
+    await gvisor.thaw(instance)
+    print(f"gvisor thaw: {(time.monotonic() - started) * 1000:.1f} ms")
+    code, out = await run(instance, f"kill -0 {pid.strip()} && echo alive")
+    assert (code, out.strip()) == (0, "alive")
+    await gvisor.thaw(instance)  # thawing a running sandbox changes nothing
+    await gvisor.freeze(instance)
+    await gvisor.kill(instance)
+    assert leftovers(gvisor, instance.sandbox_id) == {}

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
@@ -197,6 +198,7 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
             ).stdout
             assert after == before  # same kernel instance (no reboot), same process
             assert rsbx.files.read("/root/state.txt", request_timeout=120) == "before snapshot\n"
+            await _freeze_and_thaw(runtime, restored, before=before)
             restored = await _pause_and_resume(runtime, restored, base, parent=snap, before=before)
         finally:
             await runtime.kill(original)
@@ -205,6 +207,22 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
         assert _host_leftovers(qemu_settings, restored_id) == {}
 
     asyncio.run(scenario())
+
+
+async def _freeze_and_thaw(runtime: QemuRuntime, instance: SandboxInstance, *, before: str) -> None:
+    """The frozen pause tier: the vCPUs stop (envd stops answering), the VM stays alive; a thaw
+    lets the same processes go on."""
+    await runtime.freeze(instance)
+    assert await runtime.is_alive(instance)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.get(instance.envd_url + "/health", timeout=1.0)
+    await runtime.thaw(instance)
+    after = (
+        _envd_sdk(instance)
+        .commands.run("cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60)
+        .stdout
+    )
+    assert after == before
 
 
 async def _pause_and_resume(
