@@ -214,8 +214,9 @@ async def _freeze_and_thaw(runtime: QemuRuntime, instance: SandboxInstance, *, b
     lets the same processes go on."""
     await runtime.freeze(instance)
     assert await runtime.is_alive(instance)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.get(instance.envd_url + "/health", timeout=1.0)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        with pytest.raises(httpx.TimeoutException):
+            await client.get(instance.envd_url + "/health", timeout=1.0)
     await runtime.thaw(instance)
     after = (
         _envd_sdk(instance)
