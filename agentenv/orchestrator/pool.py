@@ -104,11 +104,15 @@ class WarmPool:
             return
         if pool.filler is not None:
             pool.filler.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):  # its failures were logged by _fill
                 await pool.filler
         for instance in pool.ready:
-            with contextlib.suppress(Exception):
+            try:
                 await self._kill(instance)
+            except Exception:
+                # The others must still go; a pooled sandbox left behind has no registry row, so the
+                # next start-up's orphan clean-up removes it.
+                log.exception("warm pool %s: killing pooled sandbox %s failed", key, instance.sandbox_id)
 
     async def close(self) -> None:
         """Stop refilling and kill every pooled sandbox."""
