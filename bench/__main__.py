@@ -26,10 +26,79 @@ def _rows(prefix: str, data: object) -> list[str]:
     return rows
 
 
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def target_table(lifecycle: dict[str, object]) -> list[str]:
+    """The issue's targets: each operation's p50/p95/max beside its baseline, met or not."""
+    rows = lifecycle.get("targets")
+    if not isinstance(rows, list) or not rows:
+        return []
+    lines = [
+        "| target row | target | n | p50 ms | p95 ms | max ms | baseline (same run) "
+        "| baseline p50 ms | met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        p50 = row.get("result", row.get("p50_ms"))
+        cells = [
+            row["measurement"],
+            row["target"],
+            row["n"],
+            p50,
+            row.get("p95_ms"),
+            row.get("max_ms"),
+            row["baseline"],
+            row.get("baseline_p50_ms"),
+            "**yes**" if row["met"] else "no",
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    lines.append(f"\nlifecycle targets met: **{lifecycle.get('targets_met', '-')}**")
+    return lines
+
+
+def density_table(density: dict[str, object]) -> list[str]:
+    """Host memory per idle sandbox by state (p50 over the sandboxes) and disk per on-disk one."""
+    states = [(s, density.get(s)) for s in ("running", "frozen", "disk")]
+    if not all(isinstance(d, dict) for _, d in states):
+        return []
+    per_gib = density.get("idle_sandboxes_per_gib")
+    per_gib = per_gib if isinstance(per_gib, dict) else {}
+    lines = [
+        "| density (idle sandbox) | sandboxes | PSS MiB p50 | RSS MiB p50 | cgroup MiB p50 "
+        "| host processes | sandboxes per GiB (PSS) | disk MiB p50 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for state, data in states:
+        assert isinstance(data, dict)
+        disk = data.get("memory_image_mib", {}).get("p50", 0) if state == "disk" else 0
+        cells = [
+            state,
+            data["pss_mib"].get("n"),
+            data["pss_mib"].get("p50"),
+            data["rss_mib"].get("p50"),
+            data["cgroup_mib"].get("p50"),
+            data["processes"].get("p50"),
+            per_gib.get(f"{state}_pss", "-"),
+            disk,
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines
+
+
+#: Keys the generic table leaves to the tables above.
+TABLED = ("targets", "running", "frozen", "disk")
+
+
 def summarise(results: dict[str, dict[str, object]]) -> str:
-    lines = ["| measurement | n | p50 ms | p95 ms | max ms |", "| --- | --- | --- | --- | --- |"]
+    lines: list[str] = []
+    for special in (target_table(results.get("lifecycle", {})), density_table(results.get("density", {}))):
+        if special:
+            lines += [*special, ""]
+    lines += ["| measurement | n | p50 ms | p95 ms | max ms |", "| --- | --- | --- | --- | --- |"]
     for name, payload in results.items():
-        lines.extend(_rows(name, payload))
+        lines.extend(_rows(name, {k: v for k, v in payload.items() if k not in TABLED}))
     for name, payload in results.items():
         for key, value in payload.items():
             if not isinstance(value, dict | list):
@@ -50,35 +119,50 @@ def update_readme(summary: str) -> None:
         readme.write_text(pattern.sub(lambda m: m.group(1) + summary + m.group(2), text))
 
 
+BENCHMARKS = ("core", "lifecycle", "density", "runtimes")
+
+
+def _optional(name: str) -> object | None:
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"bench.{name}":
+            raise
+        print(f"bench: {name} benchmark not present, skipped")
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--runs", type=int, default=20, help="repetitions per measurement (>= 20 for p95)")
-    parser.add_argument("--only", choices=["core", "lifecycle", "runtimes"], action="append")
+    parser.add_argument("--only", choices=BENCHMARKS, action="append")
     args = parser.parse_args()
     templates = Path(os.environ.get("AGENTENV_TEMPLATES_PATH", "/var/lib/agentenv/templates"))
-    wanted = set(args.only or ["core", "lifecycle", "runtimes"])
+    wanted = set(args.only or BENCHMARKS)
     results: dict[str, dict[str, object]] = {}
 
-    with serve() as server:
-        if "core" in wanted:
-            results["core"] = core.run(server, args.runs, templates)
-            write_result("core", results["core"])
-        # Lifecycle (pause/snapshot/fork) and runtime comparison live in their own modules.
-        for name in ("lifecycle", "runtimes"):
-            if name not in wanted:
-                continue
-            try:
-                module = importlib.import_module(f"bench.{name}")
-            except ModuleNotFoundError as exc:
-                if exc.name != f"bench.{name}":
-                    raise
-                print(f"bench: {name} benchmark not present, skipped")
-                continue
-            if name == "lifecycle":
-                results[name] = module.run(server.url, server.api_key, args.runs, server.log_path)
-            else:
-                results[name] = module.run(server.url, server.api_key, args.runs)
-            write_result(name, results[name])
+    # core and lifecycle share one server with production settings; lifecycle starts its cold and
+    # disk servers itself, density and runtimes their own servers.
+    if wanted & {"core", "lifecycle"}:
+        with serve() as server:
+            if "core" in wanted:
+                results["core"] = core.run(server, args.runs, templates)
+                write_result("core", results["core"])
+            if "lifecycle" in wanted:
+                from bench import lifecycle
+
+                results["lifecycle"] = lifecycle.run(server, args.runs)
+                write_result("lifecycle", results["lifecycle"])
+    for name in ("density", "runtimes"):
+        module = _optional(name) if name in wanted else None
+        if module is None:
+            continue
+        if name == "density":
+            results[name] = module.run(args.runs)  # type: ignore[attr-defined]
+        else:
+            # runtimes starts a server per runtime: the URL and key arguments are not used.
+            results[name] = module.run("", "", args.runs)  # type: ignore[attr-defined]
+        write_result(name, results[name])
 
     # The summary covers every recorded benchmark, also those not re-run this time.
     recorded = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}

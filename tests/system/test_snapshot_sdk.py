@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import sqlite3
@@ -88,6 +89,25 @@ def test_fork_16_children_diverge_and_survive_the_parent(parent: Sandbox) -> Non
             child.kill()
         for child in children:
             assert wait_no_host_resources(child.sandbox_id) == []
+
+
+def test_fork_without_a_timeout_hands_back_children_whose_timeout_starts_now(parent: Sandbox) -> None:
+    """The API's default fork timeout (15 s) counts from when the caller gets the children, not
+    from each child's own restore (a fork of many took longer than that, and its first children
+    expired before the call returned)."""
+    start_state(parent)
+    results = parent.fork(count=4)
+    returned = dt.datetime.now(dt.UTC)
+    children = [c for c in results if isinstance(c, Sandbox)]
+    assert len(children) == 4, [str(e) for e in results if not isinstance(e, Sandbox)]
+    try:
+        for child in children:
+            end_at = Sandbox.get_info(child.sandbox_id).end_at
+            assert end_at >= returned + dt.timedelta(seconds=14), (end_at, returned)
+            assert child.files.read("/home/user/state.txt") == "parent-state"
+    finally:
+        for child in children:
+            child.kill()
 
 
 # -- server restarts ----------------------------------------------------------------------------
