@@ -8,6 +8,9 @@ import importlib
 import json
 import os
 import re
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import core
@@ -41,17 +44,17 @@ def target_table(lifecycle: dict[str, object]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        p50 = row.get("result", row.get("p50_ms"))
+        met = "**yes**" if row["met"] else "no"
         cells = [
             row["measurement"],
             row["target"],
             row["n"],
-            p50,
+            row.get("p50_ms"),
             row.get("p95_ms"),
             row.get("max_ms"),
             row["baseline"],
             row.get("baseline_p50_ms"),
-            "**yes**" if row["met"] else "no",
+            f"{met} ({row['result']})" if "result" in row else met,
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     lines.append(f"\nlifecycle targets met: **{lifecycle.get('targets_met', '-')}**")
@@ -79,7 +82,7 @@ def density_table(density: dict[str, object]) -> list[str]:
             data["pss_mib"].get("p50"),
             data["rss_mib"].get("p50"),
             data["cgroup_mib"].get("p50"),
-            data["processes"].get("p50"),
+            round(float(data["processes"].get("p50", 0))),
             per_gib.get(f"{state}_pss", "-"),
             disk,
         ]
@@ -140,29 +143,38 @@ def main() -> None:
     templates = Path(os.environ.get("AGENTENV_TEMPLATES_PATH", "/var/lib/agentenv/templates"))
     wanted = set(args.only or BENCHMARKS)
     results: dict[str, dict[str, object]] = {}
+    failed: list[str] = []
+
+    def attempt(name: str, measure: Callable[[], dict[str, object]]) -> None:
+        """Run one benchmark and write its result; a failure is reported, the others still run
+        and the summary is still written (``make bench`` exits non-zero at the end)."""
+        try:
+            results[name] = measure()
+        except Exception:
+            traceback.print_exc()
+            print(f"bench: {name} failed; its previous result (if any) stays in the summary")
+            failed.append(name)
+            return
+        write_result(name, results[name])
 
     # core and lifecycle share one server with production settings; lifecycle starts its cold and
     # disk servers itself, density and runtimes their own servers.
     if wanted & {"core", "lifecycle"}:
         with serve() as server:
             if "core" in wanted:
-                results["core"] = core.run(server, args.runs, templates)
-                write_result("core", results["core"])
+                attempt("core", lambda: core.run(server, args.runs, templates))
             if "lifecycle" in wanted:
                 from bench import lifecycle
 
-                results["lifecycle"] = lifecycle.run(server, args.runs)
-                write_result("lifecycle", results["lifecycle"])
-    for name in ("density", "runtimes"):
-        module = _optional(name) if name in wanted else None
-        if module is None:
-            continue
-        if name == "density":
-            results[name] = module.run(args.runs)  # type: ignore[attr-defined]
-        else:
-            # runtimes starts a server per runtime: the URL and key arguments are not used.
-            results[name] = module.run("", "", args.runs)  # type: ignore[attr-defined]
-        write_result(name, results[name])
+                attempt("lifecycle", lambda: lifecycle.run(server, args.runs))
+    if "density" in wanted:
+        from bench import density
+
+        attempt("density", lambda: density.run(args.runs))
+    runtimes = _optional("runtimes") if "runtimes" in wanted else None
+    if runtimes is not None:
+        # runtimes starts a server per runtime: the URL and key arguments are not used.
+        attempt("runtimes", lambda: runtimes.run("", "", args.runs))  # type: ignore[attr-defined]
 
     # The summary covers every recorded benchmark, also those not re-run this time.
     recorded = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
@@ -171,6 +183,8 @@ def main() -> None:
     update_readme(summary)
     print(summary)
     print(json.dumps({k: str(RESULTS / f"{k}.json") for k in results}, indent=2))
+    if failed:
+        sys.exit(f"bench: failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

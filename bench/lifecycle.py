@@ -59,6 +59,8 @@ STATE_PROCESS = "nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &"
 #: Creates from one snapshot before it gets standbys (agentenv.orchestrator.standbys).
 RESTORES_BEFORE_STANDBYS = 2
 POOL_WAIT_SECONDS = 60.0
+#: A server's start-up: the template is booted and snapshotted, then its pool restored.
+START_WAIT_SECONDS = 180.0
 REQUEST_TIMEOUT = 600.0
 
 COLD_ENV = {"AGENTENV_TEMPLATE_SNAPSHOTS": "false"}
@@ -221,14 +223,16 @@ class Pools:
 
     def wait_template_pool(self) -> None:
         """At start-up: until the template's pool is full (its snapshot is made first)."""
-        deadline = time.monotonic() + POOL_WAIT_SECONDS
+        deadline = time.monotonic() + START_WAIT_SECONDS
         while True:
             pools = self.announced()
             key = self._template_key(pools)
             if key is not None and self._ready(key, pools) >= max(1, self.template_high):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the warm pool did not fill in {POOL_WAIT_SECONDS:.0f} s")
+                raise RuntimeError(
+                    f"the warm pool did not fill in {START_WAIT_SECONDS:.0f} s:\n{self.server.log_tail()}"
+                )
             time.sleep(0.05)
 
     def _ready(self, key: str, pools: dict[str, list[str]]) -> int:
@@ -236,13 +240,14 @@ class Pools:
         claimed = self.registry.sandbox_ids()
         return sum(1 for sid in pools.get(key, []) if sid not in claimed)
 
-    def create(self, template: str, timeout: int = 600) -> tuple[Any, float, str]:
-        """Create -> first command, and book what the create did to the pools:
-        (sandbox, seconds, its origin). The pools are read before the create: a refill starts
-        with the claim, and may announce a sandbox before the create returns."""
+    def create(self, template: str, timeout: int = 600) -> Created:
+        """Create -> first command, and book what the create did to the pools. The pools are
+        read before the create: a refill starts with the claim, and may announce a sandbox
+        before the create returns."""
         before = self.announced()
         claimed = self.registry.sandbox_ids()
-        sbx, seconds = create_to_first_command(template, self.server, timeout)
+        created = create_to_first_command(template, self.server, timeout)
+        sbx = created.sandbox
         rec = self.registry.sandbox(sbx.sandbox_id)
         origin = str(rec.get("origin") or "unknown")
         if origin in ("warm_pool", "standby"):
@@ -256,7 +261,8 @@ class Pools:
             self._restores[source] += 1
             if self._restores[source] == RESTORES_BEFORE_STANDBYS:  # its standbys start
                 self._pending[source] = len(before.get(source, [])) + self.standby_high
-        return sbx, seconds, origin
+        created.origin = origin
+        return created
 
     def forget(self, snapshot_id: str) -> None:
         """The snapshot was deleted: its standbys go, and a refill of them never finishes."""
@@ -304,19 +310,41 @@ def _first_command(sbx: Any) -> None:
         raise RuntimeError(f"sandbox {sbx.sandbox_id} answered {result.stdout!r}")
 
 
-def create_to_first_command(template: str, server: ServerProcess, timeout: int = 600) -> tuple[Any, float]:
-    """Create -> first command; (sandbox, seconds)."""
+@dataclass
+class Created:
+    sandbox: Any
+    #: Create request -> first command answered.
+    seconds: float
+    #: The create request alone.
+    request_s: float
+    #: The registry's ``origin`` (booked by :meth:`Pools.create`).
+    origin: str = "unknown"
+
+
+def create_to_first_command(template: str, server: ServerProcess, timeout: int = 600) -> Created:
     from e2b import Sandbox
 
     start = time.perf_counter()
     sbx = Sandbox.create(template, timeout=timeout, **_sdk(server))
+    request_s = time.perf_counter() - start
     _first_command(sbx)
-    return sbx, time.perf_counter() - start
+    return Created(sbx, time.perf_counter() - start, request_s)
+
+
+def resume_to_first_command(sandbox_id: str, server: ServerProcess) -> tuple[Any, float, float]:
+    """``Sandbox.connect`` (the resume) -> first command: (sandbox, seconds, the connect alone)."""
+    from e2b import Sandbox
+
+    start = time.perf_counter()
+    sbx = Sandbox.connect(sandbox_id, timeout=600, **_sdk(server))
+    connect_s = time.perf_counter() - start
+    _first_command(sbx)
+    return sbx, time.perf_counter() - start, connect_s
 
 
 def _make_parent(pools: Pools) -> Any:
     """A sandbox with a running process and a file: the state snapshots and forks copy."""
-    parent, _, _ = pools.create("base", timeout=3600)
+    parent = pools.create("base", timeout=3600).sandbox
     parent.commands.run(STATE_PROCESS)
     parent.files.write("/home/user/state.txt", "bench")
     return parent
@@ -335,15 +363,15 @@ def _cold(runs: int, samples: dict[str, list[float]]) -> None:
     with serve(extra_env=COLD_ENV) as cold:
         registry = Registry(cold.data_dir)
         for _ in range(runs):
-            sbx, seconds = create_to_first_command("base", cold)
-            if registry.origin(sbx.sandbox_id) == "boot":
-                samples["cold_create_to_first_command"].append(seconds)
-            sbx.kill()
+            created = create_to_first_command("base", cold)
+            if registry.origin(created.sandbox.sandbox_id) == "boot":
+                samples["cold_create_to_first_command"].append(created.seconds)
+            created.sandbox.kill()
 
 
-def _disk(runs: int, samples: dict[str, list[float]], seen: Counter[str]) -> None:
+def _disk(runs: int, samples: dict[str, list[float]], seen: Counter[str]) -> list[str]:
     """Pause to disk, resume from disk, create from a snapshot (restore): a server without the
-    frozen tier and without standbys."""
+    frozen tier and without standbys. Returns the errors."""
     from e2b import Sandbox
 
     from bench.harness import serve
@@ -356,10 +384,12 @@ def _disk(runs: int, samples: dict[str, list[float]], seen: Counter[str]) -> Non
         parent.kill()
         for _ in range(runs):
             pools.settle()
-            child, seconds, origin = pools.create(snap.snapshot_id)
-            seen[f"disk server create from snapshot: {origin}"] += 1
-            if origin == "snapshot":
-                samples["create_from_snapshot_to_first_command"].append(seconds)
+            created = pools.create(snap.snapshot_id)
+            child = created.sandbox
+            seen[f"disk server create from snapshot: {created.origin}"] += 1
+            if created.origin == "snapshot":
+                samples["create_from_snapshot_to_first_command"].append(created.seconds)
+                samples["create_from_snapshot_request"].append(created.request_s)
             child.commands.run("true")
             pools.settle()
             seconds = _timed(child.pause)
@@ -367,20 +397,18 @@ def _disk(runs: int, samples: dict[str, list[float]], seen: Counter[str]) -> Non
             seen[f"disk server pause: {tier}"] += 1
             if tier == "disk":
                 samples["pause_to_disk"].append(seconds)
-            start = time.perf_counter()
-            resumed = Sandbox.connect(child.sandbox_id, timeout=600, **_sdk(disk))
-            _first_command(resumed)
+            resumed, seconds, connect_s = resume_to_first_command(child.sandbox_id, disk)
             if tier == "disk":
-                samples["resume_from_disk_to_first_command"].append(time.perf_counter() - start)
+                samples["resume_from_disk_to_first_command"].append(seconds)
+                samples["resume_from_disk_request"].append(connect_s)
             resumed.kill()
         Sandbox.delete_snapshot(snap.snapshot_id, **_sdk(disk))
-        if pools.errors:
-            raise RuntimeError("; ".join(pools.errors))
+    return [f"disk server: {e}" for e in pools.errors]
 
 
 def _round_trips(server: ServerProcess, runs: int, pools: Pools, samples: dict[str, list[float]]) -> None:
     """``echo hi`` through envd beside ``GET /health`` of the API (the floor of any request)."""
-    sbx, _, _ = pools.create("base")
+    sbx = pools.create("base").sandbox
     pools.settle()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -552,10 +580,12 @@ def _main(
     # Creates from the template: each claims a warm-pool sandbox (the pool is idle before each).
     for _ in range(runs):
         pools.settle()
-        sbx, seconds, origin = pools.create("base")
-        seen[f"template create: {origin}"] += 1
-        if origin == "warm_pool":
-            samples["template_create_to_first_command"].append(seconds)
+        created = pools.create("base")
+        sbx = created.sandbox
+        seen[f"template create: {created.origin}"] += 1
+        if created.origin == "warm_pool":
+            samples["template_create_to_first_command"].append(created.seconds)
+            samples["template_create_request"].append(created.request_s)
         pools.settle()
         samples["kill"].append(_timed(sbx.kill))
 
@@ -567,21 +597,22 @@ def _main(
         # The first creates from the snapshot are restores; then it has standbys.
         for i in range(runs + RESTORES_BEFORE_STANDBYS):
             pools.settle()
-            child, seconds, origin = pools.create(snap.snapshot_id)
-            seen[f"create from snapshot: {origin}"] += 1
-            if origin == "standby":
-                samples["create_from_snapshot_standby_to_first_command"].append(seconds)
+            created = pools.create(snap.snapshot_id)
+            child = created.sandbox
+            seen[f"create from snapshot: {created.origin}"] += 1
+            if created.origin == "standby":
+                samples["create_from_snapshot_standby_to_first_command"].append(created.seconds)
+                samples["create_from_snapshot_standby_request"].append(created.request_s)
             pools.settle()
             seconds = _timed(child.pause)
             tier = pools.registry.pause_tier(child.sandbox_id)
             seen[f"pause: {tier}"] += 1
             if tier == "frozen":
                 samples["pause"].append(seconds)
-            start = time.perf_counter()
-            resumed = Sandbox.connect(child.sandbox_id, timeout=600, **opts)
-            _first_command(resumed)
+            resumed, seconds, connect_s = resume_to_first_command(child.sandbox_id, server)
             if tier == "frozen":
-                samples["resume_frozen_to_first_command"].append(time.perf_counter() - start)
+                samples["resume_frozen_to_first_command"].append(seconds)
+                samples["resume_frozen_request"].append(connect_s)
             if i >= RESTORES_BEFORE_STANDBYS:  # one snapshot round per run
                 _snapshot_after_write(resumed, server, pools, samples)
             resumed.kill()
@@ -605,11 +636,17 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
             "cold_create_to_first_command": [],
             "pause_to_disk": [],
             "http_health_round_trip": [],
+            # The request alone (the rows above add the first command's round trip).
+            "template_create_request": [],
+            "create_from_snapshot_request": [],
+            "create_from_snapshot_standby_request": [],
+            "resume_frozen_request": [],
+            "resume_from_disk_request": [],
         }
     )
     seen: Counter[str] = Counter()
     _cold(runs, samples)
-    _disk(runs, samples, seen)
+    disk_errors = _disk(runs, samples, seen)
     main = _main(server, runs, samples, seen)
     summary = {name: stats(values) for name, values in samples.items() if values}
     targets = target_rows(summary, main["many_forks"])
@@ -623,7 +660,7 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
         "many_forks": main["many_forks"],
         "pool_wait_s": main["pool_wait_s"],
         "paths_seen": dict(sorted(seen.items())),
-        "errors": main["errors"],
+        "errors": disk_errors + main["errors"],
         "notes": "runtime gvisor (runsc 2022-12, ptrace), 2 cores. Servers: cold = template "
         "snapshots off (a boot); disk = AGENTENV_PAUSE_FREEZE=false and standbys off (every pause "
         "a checkpoint, every snapshot create a restore); main = production settings (warm pool, "

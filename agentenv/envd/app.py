@@ -27,6 +27,7 @@ from agentenv.envd.reaper import reap_orphans_forever
 from agentenv.envd.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_app, process_app
 from agentenv.envd.settings import EnvdSettings
 from agentenv.envd.signature import signature_grants
+from agentenv.envd.spawn import Spawner
 from agentenv.envd.state import EnvdState
 from agentenv.errors import Invalid, Unauthenticated
 
@@ -127,18 +128,20 @@ async def get_metrics(request: Request) -> Response:
 
 def create_app(settings: EnvdSettings) -> Starlette:
     state = EnvdState(access_token=settings.access_token)
-    table = ProcessTable(stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)
+    spawner = Spawner()
+    table = ProcessTable(spawner, stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)
     filesystem = FilesystemService(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        reaper = asyncio.create_task(reap_orphans_forever(table.pids))
+        reaper = asyncio.create_task(reap_orphans_forever(spawner.live_pids))
         try:
             yield
         finally:
             reaper.cancel()
             filesystem.close()
             await table.shutdown()
+            spawner.close()
 
     app = Starlette(
         routes=[

@@ -15,16 +15,19 @@ import os
 import pty
 import signal
 import struct
+import subprocess
 import termios
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from agentenv.envd.proto.process_pb import ProcessConfig, ProcessEvent
+from agentenv.envd.spawn import Identity, Spawner, Stdio, identity_for
 from agentenv.envd.users import User
 
 _READ_CHUNK = 64 * 1024
@@ -120,8 +123,14 @@ def _data_event(stream: OutputStream, chunk: bytes) -> ProcessEvent:
 class ManagedProcess:
     config: ProcessConfig
     tag: str | None
-    proc: asyncio.subprocess.Process
+    proc: subprocess.Popen[bytes]
+    exited: asyncio.Future[int]
     pty_fd: int | None
+    #: our end of its stdin pipe; None when stdin is disabled, closed, or a PTY
+    stdin_fd: int | None = None
+    stdin_enabled: bool = False
+    #: our ends of its stdout/stderr pipes, or the PTY master
+    outputs: tuple[tuple[OutputStream, int], ...] = ()
     buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES
     subscribers: set[OutputQueue] = field(default_factory=set)
     end: ProcessEvent | None = None
@@ -169,37 +178,29 @@ class ManagedProcess:
             self._last_output = time.monotonic()
 
     # --- input ---------------------------------------------------------------------------------
+    def _stdin_unavailable(self, why: str) -> ConnectError:
+        return ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {self.pid} {why}")
+
     async def write_stdin(self, data: bytes) -> None:
         if self.pty_fd is not None:  # a PTY has one input: the terminal
             await self.write_pty(data)
             return
-        writer = self.proc.stdin
-        if writer is None:
-            raise ConnectError(
-                Code.FAILED_PRECONDITION,
-                f"stdin of process {self.pid} is not enabled (start it with stdin=True)",
-            )
-        if writer.is_closing():
-            raise ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {self.pid} is closed")
+        if not self.stdin_enabled:
+            raise self._stdin_unavailable("is not enabled (start it with stdin=True)")
+        if self.stdin_fd is None:
+            raise self._stdin_unavailable("is closed")
         try:
-            writer.write(data)
-            await writer.drain()
+            await write_all(self.stdin_fd, data)
         except (BrokenPipeError, ConnectionResetError):
-            raise ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {self.pid} is closed") from None
+            raise self._stdin_unavailable("is closed") from None
 
     async def write_pty(self, data: bytes) -> None:
         if self.pty_fd is None:
             raise ConnectError(Code.FAILED_PRECONDITION, f"process {self.pid} has no PTY")
-        view = memoryview(data)
-        while view:
-            try:
-                written = os.write(self.pty_fd, view)
-            except BlockingIOError:
-                await asyncio.sleep(0.005)  # terminal input buffer full: let the program read
-                continue
-            except OSError as exc:
-                raise ConnectError(Code.FAILED_PRECONDITION, f"PTY of process {self.pid}: {exc}") from None
-            view = view[written:]
+        try:
+            await write_all(self.pty_fd, data)  # a full terminal input buffer waits for the program
+        except OSError as exc:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"PTY of process {self.pid}: {exc}") from None
 
     def close_stdin(self) -> None:
         if self.pty_fd is not None:
@@ -207,13 +208,11 @@ class ManagedProcess:
                 Code.FAILED_PRECONDITION,
                 "closing stdin is not supported for PTY processes; send Ctrl+D (0x04) instead",
             )
-        writer = self.proc.stdin
-        if writer is None:
-            raise ConnectError(
-                Code.FAILED_PRECONDITION,
-                f"stdin of process {self.pid} is not enabled (start it with stdin=True)",
-            )
-        writer.close()
+        if not self.stdin_enabled:
+            raise self._stdin_unavailable("is not enabled (start it with stdin=True)")
+        if self.stdin_fd is not None:
+            os.close(self.stdin_fd)
+            self.stdin_fd = None
 
     def resize(self, cols: int, rows: int) -> None:
         if self.pty_fd is None:
@@ -234,20 +233,26 @@ class ManagedProcess:
         except PermissionError:
             os.kill(self.pid, signum)
 
+    def close_fds(self) -> None:
+        """Once it exited and its output was read: our pipe ends and the PTY master."""
+        for _, fd in self.outputs:
+            os.close(fd)
+        self.outputs = ()
+        self.pty_fd = None  # it was one of the outputs
+        if self.stdin_fd is not None:
+            os.close(self.stdin_fd)
+            self.stdin_fd = None
+
 
 class ProcessTable:
-    def __init__(self, stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES) -> None:
+    def __init__(self, spawner: Spawner, stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES) -> None:
+        self._spawner = spawner
         self._stream_buffer_bytes = stream_buffer_bytes
         self._by_pid: dict[int, ManagedProcess] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._spawning = 0
 
     def list(self) -> list[ManagedProcess]:
         return list(self._by_pid.values())
-
-    def pids(self) -> set[int] | None:
-        """Pids envd waits for itself; None while a spawn is in flight (see reaper)."""
-        return None if self._spawning else set(self._by_pid)
 
     def find(self, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
         if pid is not None:
@@ -270,44 +275,38 @@ class ProcessTable:
         tag: str | None,
         stdin: bool,
         pty_size: tuple[int, int] | None,
+        argv: Sequence[str] | None = None,
     ) -> ManagedProcess:
         """Spawn and register. No output is read before the caller's next await, so a caller
-        that subscribes right away sees everything."""
-        self._spawning += 1
+        that subscribes right away sees everything. ``argv`` (default: the config's command)
+        is what actually runs; ``config`` is what List reports."""
+        command = list(argv) if argv is not None else [config.cmd, *config.args]
+        launch = _Launch(self._spawner, command, cwd, env, identity_for(user.uid, user.gid, user.groups))
         try:
             if pty_size is not None:
-                proc, master = await _spawn_on_pty(config, cwd, env, user, pty_size)
+                managed = await launch.on_pty(config, tag, pty_size)
             else:
-                proc, master = await _spawn_with_pipes(config, cwd, env, user, stdin), None
+                managed = await launch.with_pipes(config, tag, stdin)
         except OSError as exc:
             raise ConnectError(Code.INVALID_ARGUMENT, f"failed to start '{config.cmd}': {exc}") from None
-        finally:
-            self._spawning -= 1
-        managed = ManagedProcess(
-            config=config, tag=tag, proc=proc, pty_fd=master, buffer_bytes=self._stream_buffer_bytes
-        )
-        self._by_pid[proc.pid] = managed
-        task = asyncio.create_task(self._supervise(managed), name=f"envd-process-{proc.pid}")
+        managed.buffer_bytes = self._stream_buffer_bytes
+        self._by_pid[managed.pid] = managed
+        task = asyncio.create_task(self._supervise(managed), name=f"envd-process-{managed.pid}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return managed
 
     async def _supervise(self, managed: ManagedProcess) -> None:
-        readers = _start_readers(managed)
+        readers = [asyncio.create_task(_read_output(managed, name, fd)) for name, fd in managed.outputs]
         try:
-            returncode = await managed.proc.wait()
+            returncode = await managed.exited
             await _drain(managed, readers)
         finally:
             for reader in readers:
                 reader.cancel()
-            # Let the readers unregister before the fd is closed (and its number reused).
+            # Let the readers unregister before the fds are closed (and their numbers reused).
             await asyncio.gather(*readers, return_exceptions=True)
-            if managed.pty_fd is not None:
-                asyncio.get_running_loop().remove_reader(managed.pty_fd)
-                os.close(managed.pty_fd)
-                managed.pty_fd = None
-            if managed.proc.stdin is not None:
-                managed.proc.stdin.close()
+            managed.close_fds()
         ended: Oneof[Literal["end"], ProcessEvent.EndEvent] = Oneof("end", describe_exit(returncode))
         managed.end = ProcessEvent(event=ended)  # from here on, new subscribers get it directly
         await managed.publish(managed.end)
@@ -320,71 +319,92 @@ class ProcessTable:
             managed.send_signal(signal.SIGKILL)
 
 
-async def _exec(
-    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, **stdio: Any
-) -> asyncio.subprocess.Process:
-    """Start the command as ``user`` in a session of its own (it leads the group signals go to)."""
-    uid, gid, groups = _identity(user)
-    return await asyncio.create_subprocess_exec(
-        config.cmd,
-        *config.args,
-        cwd=cwd,
-        env=env,
-        start_new_session=True,
-        user=uid,
-        group=gid,
-        extra_groups=groups,
-        **stdio,
-    )
+@dataclass
+class _Launch:
+    """One command to start: on pipes or on a PTY."""
 
+    spawner: Spawner
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    user: Identity | None
 
-async def _spawn_with_pipes(
-    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, stdin: bool
-) -> asyncio.subprocess.Process:
-    stdin_pipe = asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL
-    pipe = asyncio.subprocess.PIPE
-    return await _exec(config, cwd, env, user, stdin=stdin_pipe, stdout=pipe, stderr=pipe)
-
-
-async def _spawn_on_pty(
-    config: ProcessConfig, cwd: str, env: dict[str, str], user: User, size: tuple[int, int]
-) -> tuple[asyncio.subprocess.Process, int]:
-    """The child gets a new session with the PTY's slave as controlling terminal; envd keeps the
-    master (non-blocking) for output and input."""
-    master, slave = pty.openpty()
-    try:
-        _set_winsize(slave, *size)
-        proc = await _exec(
-            config, cwd, env, user, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_set_controlling_tty
+    async def with_pipes(self, config: ProcessConfig, tag: str | None, stdin: bool) -> ManagedProcess:
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            stdio = Stdio(
+                stdin=_pipe_to_child(ours, theirs) if stdin else subprocess.DEVNULL,
+                stdout=_pipe_from_child(ours, theirs),
+                stderr=_pipe_from_child(ours, theirs),
+            )
+            popen = await self.spawner.start(
+                self.argv, cwd=self.cwd, env=self.env, user=self.user, stdio=stdio
+            )
+        except BaseException:
+            _close_all(ours)
+            raise
+        finally:
+            _close_all(theirs)
+        stdin_fd = ours.pop(0) if stdin else None
+        out_fd, err_fd = ours
+        return ManagedProcess(
+            config=config,
+            tag=tag,
+            proc=popen,
+            exited=self.spawner.wait(popen),
+            pty_fd=None,
+            stdin_fd=stdin_fd,
+            stdin_enabled=stdin,
+            outputs=(("stdout", out_fd), ("stderr", err_fd)),
         )
-    except BaseException:
-        os.close(master)
-        raise
-    finally:
-        os.close(slave)
-    os.set_blocking(master, False)
-    return proc, master
+
+    async def on_pty(self, config: ProcessConfig, tag: str | None, size: tuple[int, int]) -> ManagedProcess:
+        """The child gets a new session with the PTY's slave as controlling terminal; envd keeps
+        the master (non-blocking) for output and input."""
+        master, slave = pty.openpty()
+        try:
+            _set_winsize(slave, *size)
+            popen = await self.spawner.start(
+                self.argv,
+                cwd=self.cwd,
+                env=self.env,
+                user=self.user,
+                stdio=Stdio(slave, slave, slave),
+                controlling_tty=_set_controlling_tty,
+            )
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        os.set_blocking(master, False)
+        exited = self.spawner.wait(popen)
+        return ManagedProcess(
+            config=config, tag=tag, proc=popen, exited=exited, pty_fd=master, outputs=(("pty", master),)
+        )
 
 
-def _identity(user: User) -> tuple[int | None, int | None, list[int] | None]:
-    """Drop to the user only when envd may (root); a non-root envd runs everything as itself."""
-    if os.geteuid() != 0:
-        return None, None, None
-    return user.uid, user.gid, user.groups
+def _pipe_from_child(ours: list[int], theirs: list[int]) -> int:
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    ours.append(read_end)
+    theirs.append(write_end)
+    return write_end
 
 
-def _start_readers(managed: ManagedProcess) -> list[asyncio.Task[None]]:
-    if managed.pty_fd is not None:
-        return [asyncio.create_task(_read_pty(managed, managed.pty_fd))]
-    readers = []
-    pipes: tuple[tuple[OutputStream, asyncio.StreamReader | None], ...] = (
-        ("stdout", managed.proc.stdout),
-        ("stderr", managed.proc.stderr),
-    )
-    for name, stream in pipes:
-        if stream is not None:
-            readers.append(asyncio.create_task(_read_pipe(managed, name, stream)))
-    return readers
+def _pipe_to_child(ours: list[int], theirs: list[int]) -> int:
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    ours.append(write_end)
+    theirs.append(read_end)
+    return read_end
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _empty(queue: OutputQueue) -> None:
@@ -392,32 +412,51 @@ def _empty(queue: OutputQueue) -> None:
         queue.get_nowait()
 
 
-async def _read_pipe(managed: ManagedProcess, name: OutputStream, stream: asyncio.StreamReader) -> None:
-    while chunk := await stream.read(_READ_CHUNK):
-        await managed.output(name, chunk)
+async def _fd_ready(fd: int, register: Callable[..., None], unregister: Callable[[int], object]) -> None:
+    """Until ``fd`` is readable/writable. Registered only while waiting: a readable pipe left
+    registered while we wait for a slow client would spin the event loop."""
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
 
-async def _read_pty(managed: ManagedProcess, fd: int) -> None:
-    loop = asyncio.get_running_loop()
-    readable = asyncio.Event()
-    loop.add_reader(fd, readable.set)
+    register(fd, wake)
     try:
-        while True:
-            await readable.wait()
-            readable.clear()
-            try:
-                chunk = os.read(fd, _READ_CHUNK)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                if exc.errno == errno.EIO:  # every slave end closed: the terminal hung up
-                    return
-                raise
-            if not chunk:
-                return
-            await managed.output("pty", chunk)
+        await ready
     finally:
-        loop.remove_reader(fd)
+        unregister(fd)
+
+
+async def read_chunk(fd: int) -> bytes:
+    """The next chunk from a non-blocking pipe or PTY master; b"" at the end (for a PTY: every
+    slave end closed, which reads as EIO)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            await _fd_ready(fd, loop.add_reader, loop.remove_reader)
+        except OSError as exc:
+            if exc.errno == errno.EIO:
+                return b""
+            raise
+
+
+async def write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` into a non-blocking pipe or PTY, waiting while it is full."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            await _fd_ready(fd, loop.add_writer, loop.remove_writer)
+
+
+async def _read_output(managed: ManagedProcess, name: OutputStream, fd: int) -> None:
+    while chunk := await read_chunk(fd):
+        await managed.output(name, chunk)
 
 
 async def _drain(managed: ManagedProcess, readers: list[asyncio.Task[None]]) -> None:

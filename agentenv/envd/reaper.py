@@ -31,7 +31,8 @@ def _zombie_children(parent: int) -> list[int]:
 
 
 def reap_once(managed: Callable[[], set[int] | None]) -> int:
-    """``managed()`` is None while a spawn is in flight (its pid is not known yet): skip then."""
+    """``managed()`` (envd's own children, spawn.Spawner.live_pids) is None while a start is in
+    flight (its pid is not known yet): skip then."""
     reaped = 0
     own = managed()
     if own is None:

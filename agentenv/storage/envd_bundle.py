@@ -42,9 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
-from agentenv.storage import compat_libs
 from agentenv.storage.atomic import exclusive
-from agentenv.storage.compat_libs import build_statx_compat
 from agentenv.types import DEFAULT_PATH, ENVD_PORT
 
 #: Where runtimes mount the bundle inside a sandbox.
@@ -135,7 +133,6 @@ def bundle_hash(py: HostPython | None = None) -> str:
     h = hashlib.sha256()
     h.update(f"format={BUNDLE_FORMAT}\n".encode())
     h.update(Path(__file__).read_bytes())
-    h.update(Path(compat_libs.__file__).read_bytes())
     st = py.executable.stat()
     h.update(f"{py.executable}:{st.st_size}:{st.st_mtime_ns}:{sys.version}\n".encode())
     package = envd_source_dir().parent
@@ -239,7 +236,6 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
     shutil.copy2(py.executable, dest / "bin" / "python3")
     libs = _copy_shared_libraries(dest)
     _relocate_elves(dest)
-    build_statx_compat(dest / "lib")  # after the relocation: a preload library keeps its paths
     _write_launcher(dest)
     _compile(stdlib_dest)
     return {

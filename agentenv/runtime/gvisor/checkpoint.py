@@ -3,13 +3,15 @@
 The steps of a snapshot and a restore; :class:`~agentenv.runtime.gvisor.runtime.GvisorRuntime`
 puts them together. A snapshot directory (``SnapshotRef.path``) holds::
 
-    memory/checkpoint.img   the sentry's state file (kernel, processes, page cache, netstack)
+    memory/                 runsc's image: checkpoint.img (the sentry's state: kernel,
+                            processes, netstack), pages.img + pages_meta.img (memory pages)
     meta.json               what a restore needs: the network the netstack was saved with, the
                             chain of disk layers (newest first) the sandbox's root stood on, ...
 
 The disk is incremental: at the checkpoint the sandbox's overlay upper (what it wrote since its
 previous snapshot) is sealed into a new read-only layer of the layer store and the sandbox
-carries on over it with an empty upper. A snapshot only names its chain; every sandbox made from
+carries on over it with an empty upper (a running snapshot of a small upper copies it instead,
+see below). A snapshot only names its chain; every sandbox made from
 it mounts that chain under an upper of its own, so creating one copies nothing, and a layer is
 freed only once no snapshot and no sandbox names it (deleting a snapshot never breaks its
 descendants).
@@ -21,13 +23,18 @@ Why this shape (see docs/SNAPSHOTS.md for the numbers):
   (envd's listener) re-attach to it, so we put an address back on the link before restoring:
   the same one for a resume (a paused sandbox keeps its netns, veth and slot), the new slot's
   for a create-from-snapshot or fork child. Every sandbox stays addressed by its own slot.
-* Before a checkpoint, the host's TCP connections to the sandbox are aborted (``ss -K``): this
-  runsc rejects saving a connected TCP endpoint on a non-loopback NIC.
-* ``runsc checkpoint`` always stops the sandbox on this runsc (``--leave-running`` is a
-  checkpoint followed by an internal restore that fails the root-netns check, see
-  :func:`~agentenv.runtime.gvisor.runsc.hide_proc_sys_net`). A snapshot that keeps the sandbox
-  running does the same explicitly: checkpoint, seal the disk layer while nothing runs (so
-  memory and disk agree), restore the sandbox in place.
+* Before a checkpoint, the host's TCP connections to the sandbox are aborted (``ss -K``): the
+  restored netstack knows none of them, and a client that learns so only from a reset on its next
+  request fails it; a killed connection is dropped from its pool unused. (runsc itself saves
+  connected endpoints by disconnecting them, ``--net-disconnect-ok``.)
+* Images are written uncompressed (``--compression=none``): compressing is most of the
+  checkpoint's and the restore's CPU time, and the image sits in the page cache.
+* A snapshot that keeps the sandbox running (:func:`checkpoint_running`) pauses it in the sentry,
+  checkpoints with ``--leave-running``, copies its upper into a new layer while nothing runs (so
+  memory and disk agree) and resumes it: its processes never stop existing. The upper cannot be
+  sealed by a rename there (the running sandbox writes to it), so this is for small uppers
+  (:meth:`~agentenv.runtime.gvisor.disk.RootDisks.upper_is_small`); a large one takes the
+  stopping path, checkpoint, seal, restore in place, which also leaves the sandbox an empty upper.
 """
 
 from __future__ import annotations
@@ -54,7 +61,6 @@ MEMORY_DIR = "memory"
 META_FILE = "meta.json"
 #: Version of meta.json; 1 (snapshots that copied the whole upper) is no longer restorable.
 META_FORMAT = 2
-CHECKPOINT_ATTEMPTS = 5
 #: Deepest chain of snapshot layers a sandbox stands on before the oldest ones are squashed into
 #: one (every file lookup that misses walks the whole chain; overlayfs allows far more).
 MAX_CHAIN = 16
@@ -122,11 +128,8 @@ def saved_network(meta: dict[str, Any]) -> SandboxNetwork:
 
 
 async def drop_host_connections(sandbox_ip: str) -> None:
-    """Abort every host TCP connection to the sandbox (``ss -K``: the kernel sends a RST).
-
-    runsc 2022-12 cannot save a connected TCP endpoint on an fdbased NIC ("save rejected due to
-    unsupported networking state"); the host's keep-alive connections to envd (proxy, SDK,
-    orchestrator) would block every checkpoint. Clients reconnect on their next request."""
+    """Abort every host TCP connection to the sandbox (``ss -K``: the kernel sends a RST and
+    the clients' sockets close now, not at their next request)."""
     proc = await asyncio.create_subprocess_exec(
         "ss",
         "-K",
@@ -144,31 +147,50 @@ async def checkpoint_container(runsc: Runsc, paths: SandboxPaths, address: str, 
     """``runsc checkpoint`` into ``image``; the sandbox is stopped afterwards, its processes gone
     (the root overlay can be unmounted) and runsc's record of it dropped."""
     await asyncio.to_thread(image.mkdir, parents=True, exist_ok=True)
-    code, out = 1, ""
-    for attempt in range(CHECKPOINT_ATTEMPTS):
-        t = time.monotonic()
-        await drop_host_connections(address)
-        log.info("checkpoint %s: ss -K %s ms", paths.sandbox_id, elapsed_ms(t))
-        t = time.monotonic()
-        code, out = await runsc.run(
-            "checkpoint", "--image-path", str(image), paths.container_id, check=False, limit=120
-        )
-        log.info(
-            "checkpoint %s: runsc checkpoint attempt %d: %s ms (exit %s)",
-            paths.sandbox_id,
-            attempt,
-            elapsed_ms(t),
-            code,
-        )
-        if code == 0 or "save rejected" not in out:
-            break
-        # The RSTs had not reached the netstack yet, or a new connection raced in: try again.
-        await asyncio.sleep(0.02 * (attempt + 1))
-    if code != 0:
-        raise Failed(f"runsc checkpoint of sandbox {paths.sandbox_id} failed: {_checkpoint_error(out)}")
+    await drop_host_connections(address)
+    await _checkpoint(runsc, paths, image)
     t = time.monotonic()
     await runsc.stop(paths)
     log.info("checkpoint %s: stop the exited container %s ms", paths.sandbox_id, elapsed_ms(t))
+
+
+async def checkpoint_running(
+    runsc: Runsc, disks: RootDisks, paths: SandboxPaths, address: str, image: Path
+) -> list[str]:
+    """Checkpoint a sandbox that keeps running: memory into ``image``, its upper copied into a new
+    layer. Returns the snapshot's chain (newest first); the sandbox's own chain is unchanged.
+
+    ``runsc pause`` first: a checkpoint of a paused sandbox leaves it paused, so nothing writes
+    to the disk between the checkpoint (which flushes the sentry's file writes) and the copy."""
+    await asyncio.to_thread(image.mkdir, parents=True, exist_ok=True)
+    cid = paths.container_id
+    await runsc.run("pause", cid)
+    try:
+        await drop_host_connections(address)
+        await _checkpoint(runsc, paths, image, "--leave-running")
+        t = time.monotonic()
+        chain = await copy_upper(disks, paths)
+        log.info("checkpoint %s: copy the upper %s ms", paths.sandbox_id, elapsed_ms(t))
+    finally:
+        await runsc.run("resume", cid)
+    return chain
+
+
+async def _checkpoint(runsc: Runsc, paths: SandboxPaths, image: Path, *flags: str) -> None:
+    t = time.monotonic()
+    code, out = await runsc.run(
+        "checkpoint",
+        "--compression=none",
+        *flags,
+        "--image-path",
+        str(image),
+        paths.container_id,
+        check=False,
+        limit=120,
+    )
+    log.info("checkpoint %s: runsc checkpoint %s ms (exit %s)", paths.sandbox_id, elapsed_ms(t), code)
+    if code != 0:
+        raise Failed(f"runsc checkpoint of sandbox {paths.sandbox_id} failed: {_checkpoint_error(out)}")
 
 
 def _checkpoint_error(output: str) -> str:
@@ -194,6 +216,17 @@ async def seal_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
         disks.set_chain(paths, chain)
     await asyncio.to_thread(disks.fresh_upper, paths)
     return chain
+
+
+async def copy_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
+    """A new layer holding a copy of the (paused) sandbox's upper, which it keeps using; the chain
+    of a snapshot taken now (newest first). The sandbox holds the layer until it is gone, so
+    that a collection never frees it before the snapshot naming it is committed."""
+    copy = await asyncio.to_thread(disks.copy_upper, paths)
+    async with disks.lock:
+        new_layer = await asyncio.to_thread(disks.layers.adopt, copy)
+        await asyncio.to_thread(disks.hold, paths, new_layer)
+        return [new_layer, *disks.chain(paths)]
 
 
 # -- restore --------------------------------------------------------------------------------------

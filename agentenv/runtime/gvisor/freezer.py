@@ -3,9 +3,10 @@
 A frozen sandbox keeps its memory, its processes, its network namespace and address; only its
 threads stop being scheduled. Freezing costs a write and a few reads of the cgroup file
 (about a millisecond), where ``runsc pause`` costs a runsc start (25-60 ms here) for the same
-write. runsc's own record keeps saying "running", which is what ``is_alive`` wants: the sandbox
-is alive, just not scheduled. A checkpoint or a kill must thaw it first (runsc talks to the
-sentry; cgroup v1 delivers no SIGKILL to a frozen task until it is thawed).
+write. runsc's own record keeps saying "running". Every runsc command that talks to the sentry
+(``runsc state`` included) hangs on a frozen sandbox, so whether it is alive is read from its
+cgroup (:func:`has_tasks`), and a checkpoint or a kill thaws it first (cgroup v1 delivers no
+SIGKILL to a frozen task until it is thawed).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def is_frozen(sandbox_id: str) -> bool:
         return _read(_v1_state(sandbox_id)) == "FROZEN"
     events = _v2_freeze(sandbox_id).with_name("cgroup.events")
     return "frozen 1" in _read(events)
+
+
+def has_tasks(sandbox_id: str) -> bool:
+    """Whether the sandbox's freezer cgroup still holds processes (a frozen sandbox is alive)."""
+    tasks = _v1_state(sandbox_id).with_name("tasks")
+    if not tasks.exists():
+        tasks = _v2_freeze(sandbox_id).with_name("cgroup.procs")
+    return bool(_read(tasks))
 
 
 async def freeze(sandbox_id: str) -> None:

@@ -5,6 +5,8 @@ Per sandbox, under ``{data_dir}/sandboxes/<sandbox_id>/``::
     upper/  work/   private writable layer of the host overlayfs (kept on disk: snapshots seal it)
     rootfs/         overlay mount: upper over the snapshot layers over the template rootfs
     layers.json     the snapshot layers (newest first) the root stands on
+    held-layers.json  layers copied from the upper for running snapshots (kept while the sandbox is)
+    upper-copy/     the upper being copied for a running snapshot, until it becomes a layer
     bundle/         OCI bundle (config.json) handed to runsc
     envd.log        envd's stdout/stderr;  runsc.log: runsc's own log
 """
@@ -47,6 +49,14 @@ class SandboxPaths:
     @property
     def rootfs(self) -> Path:
         return self.root / "rootfs"
+
+    @property
+    def upper_copy(self) -> Path:
+        return self.root / "upper-copy"
+
+    @property
+    def held_layers_file(self) -> Path:
+        return self.root / "held-layers.json"
 
     @property
     def bundle(self) -> Path:

@@ -1,9 +1,13 @@
 """Driving one runsc binary: its command lines, detached starts, container state, the platform it
 runs sandboxes on, and the host processes that serve a container.
 
+agentenv drives the runsc release it pins (scripts/bootstrap.sh installs it; :data:`MIN_RELEASE`):
+older builds lack what the runtime relies on (``--compression``, ``--leave-running`` that works,
+``--net-disconnect-ok``, systrap) and :meth:`Runsc.unsupported_reason` refuses them.
+
 agentenv stops containers itself (SIGKILL of the sandbox and gofer processes, then removal of
-runsc's two state files): ``runsc delete --force`` does the same but costs 1.3-1.6 s on this runsc,
-most of it polling processes that are already gone.
+runsc's state files and control socket): ``runsc delete --force`` does the same but costs
+1.3-1.6 s, most of it polling processes that are already gone.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import json
 import logging
 import os
-import shutil
+import re
 import signal
 import subprocess
 import time
@@ -22,8 +26,8 @@ from pathlib import Path
 from agentenv.config import GvisorSettings
 from agentenv.errors import Failed
 from agentenv.runtime.base import log_tail
+from agentenv.runtime.gvisor import platforms
 from agentenv.runtime.gvisor.paths import SandboxPaths
-from agentenv.runtime.kvm import kvm_unusable_reason
 
 log = logging.getLogger(__name__)
 
@@ -31,60 +35,81 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 120.0
 #: Seconds the sandbox and gofer processes of a killed container get to exit.
 REAP_TIMEOUT = 10.0
+#: The oldest runsc release (the date in ``runsc --version``) this runtime drives.
+MIN_RELEASE = 20240729
+#: Where runsc puts a sandbox's control socket ``runsc-<cid>.sock``: the first of these where it
+#: can create one. A SIGKILLed sandbox leaves its socket behind, and a container id whose
+#: sockets fill all of them cannot start again ("unable to find location to write socket file").
+CONTROL_SOCKET_DIRS = (Path("/var/run"), Path("/run"), Path("/tmp"))
 
-#: Platform chosen by ``auto``, per runsc binary (probing costs a sandbox start).
+#: Platform chosen by ``auto``, per runsc binary (read from the on-disk cache once per process).
 _auto_platforms: dict[str, str] = {}
 
 
 class Runsc:
     """One runsc binary with one state directory (``--root``)."""
 
-    def __init__(self, settings: GvisorSettings, root: Path, probe_dir: Path) -> None:
+    def __init__(
+        self,
+        settings: GvisorSettings,
+        root: Path,
+        probe_dir: Path,
+        platform_cache: Path = platforms.CACHE_FILE,
+    ) -> None:
         self.binary = settings.runsc_path
         self.root = root
         self._platform = settings.platform
-        #: Scratch state directory of the ``auto`` platform probe.
+        #: Scratch state directory of the ``auto`` platform measurement.
         self._probe_dir = probe_dir
+        self._platform_cache = platform_cache
 
-    # -- platform ------------------------------------------------------------------------------
+    # -- version and platform ------------------------------------------------------------------
+
+    def unsupported_reason(self) -> str | None:
+        """None when the binary runs and is at least :data:`MIN_RELEASE`, else why not."""
+        try:
+            proc = subprocess.run([self.binary, "--version"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{self.binary} --version failed: {exc}"
+        output = (proc.stdout + proc.stderr).strip()
+        if proc.returncode != 0:
+            return f"{self.binary} --version failed: {output[-500:]}"
+        found = re.search(r"(\d{8})\.\d+", output)
+        if found is None or int(found.group(1)) < MIN_RELEASE:
+            return (
+                f"{self.binary} is {output.splitlines()[0] if output else 'of no known version'}; agentenv "
+                f"needs release {MIN_RELEASE} or later (scripts/bootstrap.sh installs the pinned build)"
+            )
+        return None
 
     def platform(self) -> str:
-        """The configured platform, or for ``auto`` kvm when it can run hardware-virtualised
-        guests here, else ptrace. gVisor's KVM platform needs VT-x/AMD-V: on a /dev/kvm without
-        them (PVM-only hosts) runsc starts but hangs forever."""
+        """The configured platform, or for ``auto`` the one measured fastest here (see
+        :mod:`~agentenv.runtime.gvisor.platforms`; cached on disk per binary and kernel)."""
         if self._platform != "auto":
             return self._platform
         chosen = _auto_platforms.get(self.binary)
         if chosen is None:
-            chosen = _auto_platforms[self.binary] = self._choose_platform()
+            probe = Runsc(
+                GvisorSettings(runsc_path=self.binary, platform="ptrace"), self._probe_dir, self._probe_dir
+            )
+            chosen = _auto_platforms[self.binary] = platforms.choose(probe, self._platform_cache)
         return chosen
 
-    def _choose_platform(self) -> str:
-        reason = kvm_unusable_reason()
-        if reason is not None:
-            log.info("runsc platform auto: not kvm (%s), using ptrace", reason)
-            return "ptrace"
-        return "kvm" if self._platform_works("kvm") else "ptrace"
-
-    def _platform_works(self, platform: str) -> bool:
-        self._probe_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            self.binary,
-            "--root",
-            str(self._probe_dir),
+    @staticmethod
+    def sandbox_flags(platform: str, *, network: str = "sandbox") -> list[str]:
+        """Global flags of every command that starts a sandbox (run, restore)."""
+        return [
             "--platform",
             platform,
             "--network",
-            "none",
-            "do",
-            "/bin/true",
+            network,
+            # The root is our host overlay (sealed layers, a private upper): no second overlay in
+            # the sentry, whose upper (runsc's default, root:self) would hide every write from it.
+            "--overlay2=none",
+            # A checkpoint drops connected TCP endpoints instead of refusing to save them: a
+            # sandbox with open connections (outbound ones included) can be paused.
+            "--net-disconnect-ok",
         ]
-        try:
-            return subprocess.run(cmd, capture_output=True, timeout=15).returncode == 0
-        except subprocess.TimeoutExpired:
-            return False
-        finally:
-            shutil.rmtree(self._probe_dir, ignore_errors=True)
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -118,10 +143,7 @@ class Runsc:
         ``runsc restore`` of that checkpoint); its output goes to envd.log."""
         verb = ["run"] if image is None else ["restore", "--image-path", str(image)]
         cmd = self.command(
-            "--platform",
-            self.platform(),
-            "--network",
-            "sandbox",
+            *self.sandbox_flags(self.platform()),
             *verb,
             "--detach",
             "--bundle",
@@ -172,18 +194,27 @@ class Runsc:
         """SIGKILL the container's processes, wait until they are gone, and drop runsc's record of
         it. The cgroups stay (a restore reuses them, a kill removes them)."""
         await self._reap(paths)
-        self._forget(paths.container_id)
+        self.forget(paths.container_id)
+
+    def kill_all(self) -> None:
+        """SIGKILL every runsc process under this root (the platform probe's clean-up)."""
+        for pid in self._pids_under_root(()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def processes(self, paths: SandboxPaths) -> list[int]:
         """PIDs of the runsc processes (sandbox, gofer, ...) serving the container of ``paths``:
         the sandbox process names the container id, the gofer only its bundle (inside
         ``paths.root``). The gofer must be gone too before the sandbox's root overlay can be
         unmounted and its upper sealed."""
-        markers = [paths.container_id, f"{paths.root}/"]
+        return self._pids_under_root((paths.container_id, f"{paths.root}/"))
+
+    def _pids_under_root(self, markers: tuple[str, ...]) -> list[int]:
+        """runsc processes of this root with an argument naming one of ``markers`` (any if none)."""
         pids = []
         for pid, argv in _runsc_command_lines():
             in_root = f"--root={self.root}" in argv or str(self.root) in argv
-            if in_root and any(m in arg for arg in argv for m in markers):
+            if in_root and (not markers or any(m in arg for arg in argv for m in markers)):
                 pids.append(pid)
         return pids
 
@@ -197,18 +228,22 @@ class Runsc:
                 raise Failed(f"runsc processes {pids} of sandbox {paths.sandbox_id} do not exit")
             await asyncio.sleep(0.05)
 
-    def _forget(self, cid: str) -> None:
-        for suffix in (".state", ".lock"):
+    def forget(self, cid: str) -> None:
+        """Remove what runsc keeps of a stopped container: its record and its control sockets."""
+        files = [self.root / f"{cid}_sandbox:{cid}{suffix}" for suffix in (".state", ".lock")]
+        files += [d / f"runsc-{cid}.sock" for d in (self.root, *CONTROL_SOCKET_DIRS)]
+        for path in files:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / f"{cid}_sandbox:{cid}{suffix}")
+                os.unlink(path)
 
 
 def hide_proc_sys_net(cmd: list[str]) -> list[str]:
     """Wrap a runsc command that starts a sandbox (run, create, restore) for this runsc.
 
-    runsc 2022-12 decides it was handed the root network namespace when
-    ``/proc/sys/net/core/rmem_default`` exists, which on kernels >= 5.x it does in every
-    namespace, so ``--network sandbox`` refuses all of them. In a private mount namespace
+    runsc (the 2022-12 and the 2024-07 builds alike) decides it was handed the root network
+    namespace when ``/proc/sys/net/core/rmem_default`` exists, which on kernels >= 5.x it does in
+    every namespace, so ``--network sandbox`` refuses all of them ("cannot run with network
+    enabled in root network namespace"). In a private mount namespace
     with an empty, read-only /proc/sys/net the check sees no file; runsc reads nothing else
     there (gVisor's netstack has its own sysctls)."""
     script = 'mount -t tmpfs -o ro,size=4k agentenv-hide /proc/sys/net && exec "$@"'

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,7 +33,6 @@ from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandbo
 from agentenv.runtime.gvisor.runsc import Runsc
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.storage.atomic import write_json_atomic
-from agentenv.storage.compat_libs import STATX_COMPAT
 from agentenv.storage.envd_bundle import (
     MOUNT_POINT,
     build_envd_bundle,
@@ -94,15 +92,13 @@ class GvisorRuntime(Runtime):
     def probe(self) -> str | None:
         runsc = self.runsc.binary
         if shutil.which(runsc) is None:
-            return f"runsc binary {runsc!r} not found (apt-get install runsc)"
-        try:
-            proc = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{runsc} --version failed: {exc}"
-        if proc.returncode != 0:
-            return f"{runsc} --version failed: {(proc.stdout + proc.stderr).strip()[-500:]}"
+            return f"runsc binary {runsc!r} not found (scripts/bootstrap.sh installs it)"
+        unsupported = self.runsc.unsupported_reason()
+        if unsupported is not None:
+            return unsupported
         if os.geteuid() != 0:
             return "the gvisor runtime needs root (network namespaces, overlay mounts, cgroups)"
+        self.runsc.platform()  # ``auto`` measures here, once, rather than in the first create
         return None
 
     def paths(self, sandbox_id: str) -> SandboxPaths:
@@ -164,9 +160,6 @@ class GvisorRuntime(Runtime):
     ) -> dict[str, Any]:
         """The OCI runtime config.json of a sandbox."""
         env = envd_env(spec.envs)
-        if (envd_bundle / "lib" / STATX_COMPAT).is_file():
-            # Inherited by every process envd starts: coreutils' statx works on this runsc.
-            env["LD_PRELOAD"] = f"{MOUNT_POINT}/lib/{STATX_COMPAT}"
         if spec.envd_access_token:
             env[ENVD_ACCESS_TOKEN_ENV] = spec.envd_access_token
         tpl = spec.template
@@ -272,6 +265,8 @@ class GvisorRuntime(Runtime):
     # -- observing ------------------------------------------------------------------------------
 
     async def is_alive(self, instance: SandboxInstance) -> bool:
+        if freezer.is_frozen(instance.sandbox_id):  # runsc state would hang on a frozen sentry
+            return freezer.has_tasks(instance.sandbox_id)
         return await self.runsc.status(self.paths(instance.sandbox_id).container_id) == "running"
 
     async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
@@ -330,7 +325,7 @@ class GvisorRuntime(Runtime):
             for ref in await live_snapshots():
                 in_use |= set(checkpoint.snapshot_layers(ref.path))
             for sandbox_id in self._sandbox_dirs():
-                in_use |= set(self.disks.chain(self.paths(sandbox_id)))
+                in_use |= self.disks.in_use(self.paths(sandbox_id))
             removed = await asyncio.to_thread(self.disks.collect, in_use)
         if removed:
             log.info("freed disk layers %s", ", ".join(removed))
@@ -343,11 +338,15 @@ class GvisorRuntime(Runtime):
         layers (the upper sealed into a new one, see :func:`checkpoint.seal_upper`).
 
         ``stop``: leave the sandbox stopped, its network (slot, netns) and scratch directory kept
-        for a later resume; otherwise remount and restore it in place so it keeps running."""
+        for a later resume; otherwise it keeps running: paused only for the checkpoint and a copy
+        of its upper when that is small, else remounted and restored in place."""
         paths = self.paths(instance.sandbox_id)
         image = dest.path / MEMORY_DIR
         dest.path.mkdir(parents=True, exist_ok=True)
         timings: dict[str, float] = {}
+        if not stop and await asyncio.to_thread(self.disks.upper_is_small, paths):
+            await self._snapshot_running(instance, paths, dest)
+            return
         t = time.monotonic()
         await checkpoint.checkpoint_container(self.runsc, paths, instance.address, image)
         timings["checkpoint_ms"] = elapsed_ms(t)
@@ -361,6 +360,21 @@ class GvisorRuntime(Runtime):
             timings["parent_restore_ms"] = elapsed_ms(t)
         log.info(
             "gvisor snapshot of %s (stop=%s, %d layers): %s", instance.sandbox_id, stop, len(chain), timings
+        )
+
+    async def _snapshot_running(
+        self, instance: SandboxInstance, paths: SandboxPaths, dest: SnapshotRef
+    ) -> None:
+        """A snapshot during which the sandbox only pauses (see :func:`checkpoint.checkpoint_running`)."""
+        t = time.monotonic()
+        image = dest.path / MEMORY_DIR
+        chain = await checkpoint.checkpoint_running(self.runsc, self.disks, paths, instance.address, image)
+        checkpoint.write_meta(dest.path, instance, chain)
+        log.info(
+            "gvisor snapshot of %s (running, %d layers): paused %s ms",
+            instance.sandbox_id,
+            len(chain),
+            elapsed_ms(t),
         )
 
     async def _restart_in_place(

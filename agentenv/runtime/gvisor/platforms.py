@@ -1,0 +1,218 @@
+"""The runsc platform that ``settings.gvisor.platform = "auto"`` picks: the one this machine runs
+sandboxes fastest on, by measurement.
+
+gVisor intercepts the system calls of sandboxed processes through its *platform*: ``ptrace`` (a
+ptrace stop per system call), ``systrap`` (seccomp traps served by stub threads, runsc's default
+since 2023) or ``kvm`` (only with VT-x/AMD-V; on a /dev/kvm without them runsc hangs). Which one
+is fastest depends on the host kernel and CPU, so each candidate runs one small container here
+and we time what a sandbox's life costs: a ``runsc run`` (a cold create), process starts inside
+(every command), a checkpoint and a restore (pause, snapshot, every create from a template
+snapshot). :data:`WEIGHTS` says how many of each one sandbox's life is taken to have; the
+smallest weighted sum wins. The measurement costs a few seconds, once per runsc binary and
+kernel: the result is kept in :data:`CACHE_FILE` under that key.
+
+The probe container runs the host's own root file system read-only, without network, as root:
+nothing it runs is untrusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentenv.runtime.kvm import kvm_unusable_reason
+from agentenv.storage.atomic import exclusive, write_json_atomic
+
+if TYPE_CHECKING:
+    from agentenv.runtime.gvisor.runsc import Runsc
+
+log = logging.getLogger(__name__)
+
+#: Machine-wide: the measurement is about the runsc binary and the kernel, not one data directory
+#: (every test server has its own data directory and must not measure again).
+CACHE_FILE = Path("/var/cache/agentenv/runsc-platform.json")
+#: How many of each operation one sandbox's life is taken to have: it starts once (mostly a
+#: restore from a template snapshot, sometimes a cold run), runs a handful of commands (each a
+#: login shell: several process starts), and is paused and resumed once.
+WEIGHTS = {"run_ms": 1.0, "process_start_ms": 20.0, "checkpoint_ms": 1.0, "restore_ms": 2.0}
+#: Process starts timed inside the probe container.
+STARTS = 20
+#: Rounds per platform; each operation counts with its fastest round (the machine is shared).
+ROUNDS = 2
+#: Seconds any one probe step may take (a platform that cannot run here may hang).
+STEP_TIMEOUT = 30.0
+
+#: Times ``STARTS`` process starts inside the container and prints the nanoseconds they took.
+_START_LOOP = (
+    f"a=$(date +%s%N); i=0; while [ $i -lt {STARTS} ]; do /bin/true; i=$((i+1)); done; "
+    "echo $(($(date +%s%N) - a))"
+)
+#: A Python process holding 40 MiB of non-zero memory, like envd's heap: what a checkpoint saves.
+_HOLDER = "x = bytes(range(256)) * (160 << 10); print('ready', flush=True); import time; time.sleep(600)"
+
+Measurement = dict[str, float]
+
+
+class ProbeFailed(Exception):
+    """A probe step failed or timed out: the platform does not run here."""
+
+
+def candidates() -> list[str]:
+    """The platforms worth measuring on this machine."""
+    found = ["ptrace", "systrap"]
+    reason = kvm_unusable_reason()
+    if reason is None:
+        found.append("kvm")
+    else:
+        log.info("runsc platform auto: not measuring kvm (%s)", reason)
+    return found
+
+
+def choose(runsc: Runsc, cache_file: Path = CACHE_FILE) -> str:
+    """The cached choice for ``runsc``'s binary and this kernel, else measure and cache it.
+    Concurrent servers wait for the first one's measurement instead of disturbing it."""
+    key = _cache_key(runsc.binary)
+    with exclusive(cache_file.with_name(cache_file.name + ".lock")):
+        cache = _read_cache(cache_file)
+        if key in cache:
+            return str(cache[key]["platform"])
+        measured = {p: m for p in candidates() if (m := measure(runsc, p)) is not None}
+        if not measured:
+            log.warning("runsc platform auto: no platform ran the probe container, using ptrace")
+            return "ptrace"
+        chosen = min(measured, key=lambda p: score(measured[p]))
+        log.info("runsc platform auto: %s (measured %s)", chosen, measured)
+        cache[key] = {"platform": chosen, "measured": measured, "at": time.time()}
+        try:
+            write_json_atomic(cache_file, cache, indent=2)
+        except OSError as exc:  # a read-only /var/cache: measure again next time
+            log.warning("runsc platform auto: cannot cache the choice in %s: %s", cache_file, exc)
+        return chosen
+
+
+def score(m: Measurement) -> float:
+    return sum(weight * m[op] for op, weight in WEIGHTS.items())
+
+
+def measure(runsc: Runsc, platform: str) -> Measurement | None:
+    """Milliseconds of each operation of :data:`WEIGHTS` on ``platform``; None if it fails."""
+    rounds = []
+    try:
+        for _ in range(ROUNDS):
+            rounds.append(_one_round(runsc, platform))
+    except ProbeFailed as exc:
+        log.info("runsc platform auto: %s does not run here: %s", platform, exc)
+        return None
+    finally:
+        runsc.kill_all()
+        shutil.rmtree(runsc.root, ignore_errors=True)
+    return {op: round(min(r[op] for r in rounds), 1) for op in WEIGHTS}
+
+
+def _one_round(runsc: Runsc, platform: str) -> Measurement:
+    scratch = runsc.root / "probe"
+    scratch.mkdir(parents=True, exist_ok=True)
+    flags = runsc.sandbox_flags(platform, network="none")
+    result: Measurement = {}
+
+    # A run whose init times process starts: the rest of the run is the sandbox's start and exit.
+    bundle = _bundle(scratch / "starts", ["/bin/sh", "-c", _START_LOOP])
+    started = time.monotonic()
+    out = _step(runsc.command(*flags, "run", "--bundle", str(bundle), f"{platform}-starts"))
+    wall_ms = (time.monotonic() - started) * 1000
+    loop_ms = int(out.split()[-1]) / 1e6
+    result["process_start_ms"] = loop_ms / STARTS
+    result["run_ms"] = wall_ms - loop_ms
+
+    holder = _bundle(scratch / "holder", [os.path.realpath(sys.executable), "-S", "-c", _HOLDER])
+    cid, image, log_file = f"{platform}-holder", scratch / "image", scratch / "holder.out"
+    _step(runsc.command(*flags, "run", "--detach", "--bundle", str(holder), cid), output=log_file)
+    _wait_for_line(log_file, "ready")
+    image.mkdir()
+    started = time.monotonic()
+    _step(runsc.command("checkpoint", "--compression=none", "--image-path", str(image), cid))
+    result["checkpoint_ms"] = (time.monotonic() - started) * 1000
+    runsc.kill_all()
+    runsc.forget(cid)
+    started = time.monotonic()
+    restore = ["restore", "--detach", "--image-path", str(image), "--bundle", str(holder), cid]
+    _step(runsc.command(*flags, *restore), output=log_file)
+    result["restore_ms"] = (time.monotonic() - started) * 1000
+    runsc.kill_all()
+    runsc.forget(cid)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+def _bundle(path: Path, args: list[str]) -> Path:
+    """An OCI bundle running ``args`` on the host's root file system, read-only."""
+    path.mkdir(parents=True)
+    spec = {
+        "ociVersion": "1.0.2",
+        "process": {
+            "args": args,
+            "cwd": "/",
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "user": {"uid": 0, "gid": 0},
+        },
+        "root": {"path": "/", "readonly": True},
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"},
+        ],
+        "linux": {"namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")]},
+    }
+    (path / "config.json").write_text(json.dumps(spec))
+    return path
+
+
+def _step(cmd: list[str], output: Path | None = None) -> str:
+    """Run one probe command; its output, which a detached sandbox keeps open (so it goes to the
+    file ``output`` then, never a pipe we would wait on)."""
+    try:
+        if output is None:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=STEP_TIMEOUT)
+            text = (proc.stdout + proc.stderr).decode(errors="replace")
+        else:
+            with output.open("ab") as out:
+                proc = subprocess.run(
+                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=STEP_TIMEOUT
+                )
+            text = output.read_text(errors="replace")
+    except subprocess.TimeoutExpired:
+        raise ProbeFailed(f"{' '.join(cmd[3:6])} timed out after {STEP_TIMEOUT:.0f}s") from None
+    if proc.returncode != 0:
+        raise ProbeFailed(f"{' '.join(cmd[3:6])}: {text[-500:]}")
+    return text
+
+
+def _wait_for_line(path: Path, line: str) -> None:
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while line not in path.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise ProbeFailed(f"the probe process never printed {line!r}")
+        time.sleep(0.01)
+
+
+def _cache_key(binary: str) -> str:
+    """The runsc binary (resolved path, size, mtime: an upgrade changes them) and the kernel."""
+    path = shutil.which(binary) or binary
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    uname = os.uname()
+    return f"{real}:{st.st_size}:{st.st_mtime_ns} {uname.release} {uname.version}"
+
+
+def _read_cache(cache_file: Path) -> dict[str, dict[str, object]]:
+    try:
+        value = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
