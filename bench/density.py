@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ServerProcess, serve, stats, write_result
-from bench.lifecycle import Pools
+from bench.lifecycle import Pools, describe_runtime
 
 MAX_SANDBOXES = 10
 MIN_SANDBOXES = 3
@@ -220,6 +220,7 @@ def run(runs: int) -> dict[str, Any]:
                 sandboxes.append(sbx)
                 pools.settle()
             ids = [s.sandbox_id for s in sandboxes]
+            runtime = describe_runtime(ids[0])
             time.sleep(IDLE_SECONDS)
             drop = (available_before - _mem_available()) / count
             running = _memory_state(ids)
@@ -260,6 +261,7 @@ def run(runs: int) -> dict[str, Any]:
     on_disk_mib = float(disk["memory_image_mib"].get("p50", 0))
     return {
         "sandboxes": count,
+        "runtime": f"gvisor: {runtime}",
         "disk_after_seconds": DISK_AFTER,
         "running": running,
         "frozen": frozen,
@@ -272,7 +274,7 @@ def run(runs: int) -> dict[str, Any]:
         "move_to_disk": stats(moves),
         "seconds_until_all_on_disk": round(waited, 1),
         "errors": errors,
-        "notes": "idle sandboxes of the base template (gVisor, runsc 2022-12 ptrace), created "
+        "notes": "idle sandboxes of the base template, created "
         "through the warm pool, one `echo hi` each, then idle; p50 over the sandboxes. PSS: "
         "sum over the sandbox's host processes (memory cgroup, command lines naming its id, "
         "children); cgroup: memory.usage_in_bytes; on disk: the pause snapshot's allocated bytes "

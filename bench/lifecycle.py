@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -350,6 +351,29 @@ def _make_parent(pools: Pools) -> Any:
     return parent
 
 
+def describe_runtime(sandbox_id: str) -> str:
+    """The runsc build and platform a live sandbox runs on, read from its runsc-sandbox process
+    (``--platform``; runsc's default is ptrace), e.g. ``runsc 0.0~20240729.0, platform ptrace``."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            if not args[0].endswith(b"runsc-sandbox") or sandbox_id.encode() not in b" ".join(args):
+                continue
+            exe = os.readlink(cmdline.parent / "exe")
+        except OSError:
+            continue
+        platform = next(
+            (a.split(b"=", 1)[1].decode() for a in args if a.startswith(b"--platform=")), "ptrace"
+        )
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
+            version = out.split("\n", 1)[0].replace("runsc version ", "").strip()
+        except (OSError, subprocess.SubprocessError):
+            version = "unknown"
+        return f"runsc {version}, platform {platform}, {os.cpu_count()} cores"
+    return "unknown (no runsc-sandbox process found)"
+
+
 def _fork_runs(runs: int) -> int:
     return max(1, min(runs, int(os.environ.get("AGENTENV_BENCH_FORK_RUNS", FORK_RUNS_DEFAULT))))
 
@@ -406,10 +430,12 @@ def _disk(runs: int, samples: dict[str, list[float]], seen: Counter[str]) -> lis
     return [f"disk server: {e}" for e in pools.errors]
 
 
-def _round_trips(server: ServerProcess, runs: int, pools: Pools, samples: dict[str, list[float]]) -> None:
-    """``echo hi`` through envd beside ``GET /health`` of the API (the floor of any request)."""
+def _round_trips(server: ServerProcess, runs: int, pools: Pools, samples: dict[str, list[float]]) -> str:
+    """``echo hi`` through envd beside ``GET /health`` of the API (the floor of any request).
+    Returns what the sandbox runs on (:func:`describe_runtime`)."""
     sbx = pools.create("base").sandbox
     pools.settle()
+    runtime = describe_runtime(sbx.sandbox_id)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             client.get("/health").raise_for_status()
@@ -421,6 +447,7 @@ def _round_trips(server: ServerProcess, runs: int, pools: Pools, samples: dict[s
                 )
     finally:
         sbx.kill()
+    return runtime
 
 
 def _prober_gap(sbx: Any, action: Callable[[], object]) -> tuple[float, int]:
@@ -589,7 +616,7 @@ def _main(
         pools.settle()
         samples["kill"].append(_timed(sbx.kill))
 
-    _round_trips(server, runs, pools, samples)
+    runtime = _round_trips(server, runs, pools, samples)
 
     parent = _make_parent(pools)
     try:
@@ -624,7 +651,12 @@ def _main(
         with contextlib.suppress(Exception):
             parent.kill()
     errors.extend(pools.errors)
-    return {"errors": errors, "many_forks": many, "pool_wait_s": round(pools.waited_s, 1)}
+    return {
+        "errors": errors,
+        "many_forks": many,
+        "pool_wait_s": round(pools.waited_s, 1),
+        "runtime": runtime,
+    }
 
 
 def run(server: ServerProcess, runs: int) -> dict[str, Any]:
@@ -652,6 +684,7 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
     targets = target_rows(summary, main["many_forks"])
     return {
         "runs": runs,
+        "runtime": f"gvisor: {main['runtime']}",
         "fork_runs": _fork_runs(runs),
         "stats": summary,
         "targets": targets,
@@ -661,7 +694,7 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
         "pool_wait_s": main["pool_wait_s"],
         "paths_seen": dict(sorted(seen.items())),
         "errors": disk_errors + main["errors"],
-        "notes": "runtime gvisor (runsc 2022-12, ptrace), 2 cores. Servers: cold = template "
+        "notes": "Servers: cold = template "
         "snapshots off (a boot); disk = AGENTENV_PAUSE_FREEZE=false and standbys off (every pause "
         "a checkpoint, every snapshot create a restore); main = production settings (warm pool, "
         "standbys, frozen tier). A sample counts in a row only when the registry shows that path "

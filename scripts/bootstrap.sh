@@ -4,8 +4,43 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(runsc debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
+APT_PACKAGES=(debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
   erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils gcc libc6-dev)
+
+SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
+die() { echo "bootstrap: $*" >&2; exit 1; }
+apt_updated=0
+apt_update() { ((apt_updated)) || $SUDO apt-get update -qq; apt_updated=1; }
+
+# gVisor from Debian, one exact build: gVisor is sensitive to the Go runtime it was built with (sid's
+# build of the same release panics at start) and the runtime relies on this release's flags
+# (agentenv/runtime/gvisor/runsc.py, MIN_RELEASE). Debian 12 has it in bookworm-backports; a pin
+# keeps `apt-get upgrade` on it. Upgrades (or downgrades) whatever runsc is installed.
+declare -A RUNSC_PIN=([bookworm]="0.0~20240729.0-4~bpo12+2" [trixie]="0.0~20240729.0-4+b7")
+declare -A RUNSC_SUITE=([bookworm]="bookworm-backports" [trixie]="trixie")
+install_runsc() {
+  local codename version suite pin=/etc/apt/preferences.d/agentenv-runsc pin_text
+  codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+  version=${RUNSC_PIN[$codename]:-} suite=${RUNSC_SUITE[$codename]:-}
+  [[ -n $version ]] || die "no pinned runsc for Debian '${codename:-unknown}' (pins for: ${!RUNSC_PIN[*]})"
+  if [[ $suite == *-backports ]] && ! grep -rqs "^[^#]*$suite" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    echo "bootstrap: adding the $suite apt source"
+    printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: %s\nComponents: main\nSigned-By: %s\n' \
+      "$suite" /usr/share/keyrings/debian-archive-keyring.gpg |
+      $SUDO tee "/etc/apt/sources.list.d/agentenv-$suite.sources" >/dev/null
+  fi
+  pin_text=$(printf 'Package: runsc\nPin: version %s\nPin-Priority: 1001' "$version")
+  [[ "$(cat "$pin" 2>/dev/null)" == "$pin_text" ]] || echo "$pin_text" | $SUDO tee "$pin" >/dev/null
+  [[ "$(dpkg-query -W -f='${Version}' runsc 2>/dev/null)" != "$version" ]] || return 0
+  apt_update
+  apt-cache madison runsc | grep -qF "| $version |" ||
+    die "runsc $version (pinned) cannot be had from $suite; apt offers: $(apt-cache madison runsc | awk '{print $3}' | xargs)"
+  echo "bootstrap: installing runsc $version from $suite"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends --allow-downgrades \
+    "runsc=$version" >/dev/null
+  [[ "$(dpkg-query -W -f='${Version}' runsc)" == "$version" ]] || die "runsc is not $version after installing it"
+}
+install_runsc
 
 need=()
 want=("${APT_PACKAGES[@]}")
@@ -18,8 +53,7 @@ for p in "${want[@]}"; do
 done
 if ((${#need[@]})); then
   echo "bootstrap: installing Debian packages: ${need[*]}"
-  SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
-  $SUDO apt-get update -qq
+  apt_update
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 

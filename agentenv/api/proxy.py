@@ -5,7 +5,9 @@ SDKs send when ``E2B_SANDBOX_URL`` points here) or a Host of ``{port}-{sandbox_i
 Such requests never reach FastAPI (envd's ``/health`` and ``/files`` would collide with the
 control plane's paths); they are forwarded to ``http://<sandbox address>:<port>`` with both
 bodies streamed chunk by chunk (uploads, downloads, Connect server and client streams) and
-WebSockets relayed frame by frame.
+WebSockets relayed frame by frame. Upstream HTTP is h11 over pooled keep-alive asyncio connections
+(``_Upstream``), not httpx: every SDK call crosses this hop, and httpx's layers cost 2-2.5 ms per
+request here where h11 alone costs 0.25 ms (docs/LATENCY.md).
 
 Errors the proxy itself answers are what E2B's edge proxy answers, because the SDKs key on the
 messages: 502 ``... was not found`` (sandbox killed, timed out or unknown) and 502
@@ -19,11 +21,12 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import h11
 import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
@@ -57,6 +60,11 @@ ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-
 ENVD_INTERNAL_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
 _HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[A-Za-z0-9-]+)\.(?P<domain>.+)$")
+_CONNECT_TIMEOUT_S = 10.0
+#: Idle upstream connections are dropped after this long (envd keeps them 60 s).
+_IDLE_EXPIRY_S = 30.0
+_MAX_IDLE_PER_ORIGIN = 32
+_READ_CHUNK = 64 * 1024
 
 
 class _UploadTooLarge(Exception):
@@ -65,6 +73,10 @@ class _UploadTooLarge(Exception):
 
 class _ClientGone(Exception):
     pass
+
+
+class UpstreamError(Exception):
+    """The sandbox could not be reached, or broke off the exchange."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +142,8 @@ def forward_headers(scope: Scope, target: Target) -> list[tuple[str, str]]:
     return out
 
 
-def response_headers(resp: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
 
 
 async def send_error(send: Send, code: int, message: str, sandbox_id: str | None = None) -> None:
@@ -152,6 +164,109 @@ async def send_error(send: Send, code: int, message: str, sandbox_id: str | None
         }
     )
     await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class _Connection:
+    """One HTTP/1.1 connection to a sandbox port."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.http = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    def reusable(self) -> bool:
+        """Not closed by the sandbox while idle (EOF arrives without a pending read) nor stale."""
+        fresh = time.monotonic() - self.idle_since < _IDLE_EXPIRY_S
+        return fresh and not self.reader.at_eof() and not self.writer.is_closing()
+
+    async def send(self, event: h11.Event) -> None:
+        data = self.http.send(event)
+        if data:
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def next_event(self) -> object:
+        """The next h11 event (callers tell them apart by type)."""
+        try:
+            while True:
+                event = self.http.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+                self.http.receive_data(await self.reader.read(_READ_CHUNK))  # b"": EOF
+        except h11.RemoteProtocolError as exc:
+            raise UpstreamError(f"bad HTTP from the sandbox: {exc}") from exc
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Upstream:
+    """Keep-alive connections to sandboxes, by (address, port)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+
+    async def connect(self, host: str, port: int) -> _Connection:
+        idle = self._idle.get((host, port), [])
+        while idle:
+            conn = idle.pop()
+            if conn.reusable():
+                return conn
+            conn.close()
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(f"connecting to {host}:{port}: {exc!r}") from exc
+        return _Connection(reader, writer)
+
+    def release(self, host: str, port: int, conn: _Connection) -> None:
+        """Back to the pool when the exchange completed on both sides, else closed."""
+        idle = self._idle.setdefault((host, port), [])
+        if (
+            conn.http.our_state is h11.DONE
+            and conn.http.their_state is h11.DONE
+            and len(idle) < _MAX_IDLE_PER_ORIGIN
+        ):
+            conn.http.start_next_cycle()
+            conn.idle_since = time.monotonic()
+            idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+
+class _UpstreamResponse:
+    """A sandbox's answer: status and headers read, the body streamed by ``aiter_raw``."""
+
+    def __init__(self, upstream: _Upstream, route: Route, port: int, conn: _Connection, head: h11.Response):
+        self.status_code = head.status_code
+        self.headers: list[tuple[bytes, bytes]] = list(head.headers)
+        self._release = lambda: upstream.release(route.address, port, conn)
+        self._conn = conn
+        self._done = False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive (transfer coding removed, content coding kept)."""
+        while not self._done:
+            event = await self._conn.next_event()
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._done = True
+            else:
+                raise UpstreamError("the sandbox closed the connection mid-response")
+
+    async def aclose(self) -> None:
+        if self._done:
+            self._release()
+        else:
+            self._conn.close()
 
 
 class _Downstream:
@@ -204,25 +319,10 @@ class SandboxProxy:
         self.app = app
         self.settings = settings
         self._orchestrator = orchestrator
-        self._client: httpx.AsyncClient | None = None
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=30.0),
-                limits=httpx.Limits(
-                    max_connections=1024, max_keepalive_connections=128, keepalive_expiry=30.0
-                ),
-                follow_redirects=False,
-                trust_env=False,  # sandbox traffic never goes through a host proxy
-            )
-        return self._client
+        self._upstream = _Upstream()
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        self._upstream.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -254,11 +354,15 @@ class SandboxProxy:
                 return None, (403, f"sandbox {target.sandbox_id} requires a valid {TRAFFIC_TOKEN_HEADER}")
         return route, None
 
-    def _url(self, scope: Scope, route: Route, port: int, scheme: str = "http") -> str:
+    def _target(self, scope: Scope) -> str:
+        """The request target as the client sent it (raw path, query)."""
         path = scope.get("raw_path") or scope.get("path", "/").encode()
         raw_path = path.decode("latin-1") if isinstance(path, bytes) else str(path)
         query = scope.get("query_string", b"").decode("latin-1")
-        return f"{scheme}://{route.address}:{port}{raw_path}" + (f"?{query}" if query else "")
+        return raw_path + (f"?{query}" if query else "")
+
+    def _url(self, scope: Scope, route: Route, port: int, scheme: str = "http") -> str:
+        return f"{scheme}://{route.address}:{port}{self._target(scope)}"
 
     def _unreachable(self, target: Target) -> tuple[int, str]:
         """What to answer when connecting to the sandbox failed: gone, or port closed."""
@@ -284,17 +388,16 @@ class SandboxProxy:
             await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
             return
         has_body = bool(length and length != "0") or _header(scope, b"transfer-encoding") is not None
-        request = self.client.build_request(
-            scope["method"],
-            self._url(scope, route, target.port),
-            headers=forward_headers(scope, target),
-            content=down.body() if has_body else None,
-        )
+        headers = [("host", f"{route.address}:{target.port}"), *forward_headers(scope, target)]
+        if has_body and not length:
+            headers.append(("transfer-encoding", "chunked"))
+        request = h11.Request(method=scope["method"], target=self._target(scope), headers=headers)
         if not has_body:
             down.body_done = True
         watcher = asyncio.ensure_future(down.wait_disconnect()) if not has_body else None
         try:
-            response = await self._send_upstream(request, watcher)
+            exchange = self._exchange(route, target.port, request, down.body() if has_body else None)
+            response = await self._send_upstream(exchange, watcher)
         except _UploadTooLarge:
             _cancel(watcher)
             await down.drain()
@@ -303,7 +406,7 @@ class SandboxProxy:
         except _ClientGone:
             _cancel(watcher)
             return
-        except httpx.TransportError as exc:
+        except (UpstreamError, OSError) as exc:
             _cancel(watcher)
             log.debug("proxy to %s:%s failed: %s", target.sandbox_id, target.port, exc)
             code, message = self._unreachable(target)
@@ -313,21 +416,39 @@ class SandboxProxy:
             return
         await self._stream_response(response, send, down, watcher)
 
+    async def _exchange(
+        self, route: Route, port: int, request: h11.Request, body: AsyncIterator[bytes] | None
+    ) -> _UpstreamResponse:
+        """Send the request (streaming its body) and read the response head."""
+        conn = await self._upstream.connect(route.address, port)
+        try:
+            await conn.send(request)
+            if body is not None:
+                with contextlib.suppress(OSError):  # the sandbox answered before reading it all
+                    async for chunk in body:
+                        await conn.send(h11.Data(data=chunk))
+                    await conn.send(h11.EndOfMessage())
+            else:
+                await conn.send(h11.EndOfMessage())
+            while True:
+                event = await conn.next_event()
+                if isinstance(event, h11.Response):
+                    return _UpstreamResponse(self._upstream, route, port, conn, event)
+                if not isinstance(event, h11.InformationalResponse):  # 1xx: the answer follows
+                    raise UpstreamError("the sandbox closed the connection without answering")
+        except BaseException:
+            conn.close()
+            raise
+
     async def _send_upstream(
-        self, request: httpx.Request, watcher: asyncio.Future[None] | None
-    ) -> httpx.Response | None:
-        sending: asyncio.Future[httpx.Response] = asyncio.ensure_future(
-            self.client.send(request, stream=True)
-        )
+        self,
+        exchange: Coroutine[Any, Any, _UpstreamResponse],
+        watcher: asyncio.Future[None] | None,
+    ) -> _UpstreamResponse | None:
+        """The response, or None when the client went away first."""
+        sending: asyncio.Future[_UpstreamResponse] = asyncio.ensure_future(exchange)
         if watcher is None:
-            try:
-                return await sending
-            except httpx.TransportError as exc:
-                # A failure of our own body iterator surfaces wrapped in the transport error.
-                cause = exc.__cause__ or exc.__context__
-                if isinstance(cause, (_UploadTooLarge, _ClientGone)):
-                    raise cause from None
-                raise
+            return await sending
         pending: list[asyncio.Future[Any]] = [sending, watcher]
         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if sending in done:
@@ -339,14 +460,18 @@ class SandboxProxy:
         return None
 
     async def _stream_response(
-        self, response: httpx.Response, send: Send, down: _Downstream, watcher: asyncio.Future[None] | None
+        self,
+        response: _UpstreamResponse,
+        send: Send,
+        down: _Downstream,
+        watcher: asyncio.Future[None] | None,
     ) -> None:
         async def pump() -> None:
             await send(
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": response_headers(response),
+                    "headers": response_headers(response.headers),
                 }
             )
             async for chunk in response.aiter_raw():
@@ -360,7 +485,7 @@ class SandboxProxy:
             done, _ = await asyncio.wait({pumping, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if pumping in done:
                 exc = pumping.exception()
-                if exc is not None and not isinstance(exc, (httpx.TransportError, OSError)):
+                if exc is not None and not isinstance(exc, (UpstreamError, OSError)):
                     raise exc
                 if exc is not None:
                     # The sandbox went away mid-response: end the body so the client notices.

@@ -21,6 +21,7 @@ from agentenv.envd import metrics
 from agentenv.envd.files_http import compose, download, upload
 from agentenv.envd.filesystem_service import FilesystemService
 from agentenv.envd.http_common import EXCEPTION_HANDLERS, error_response, json_object
+from agentenv.envd.loginenv import LoginEnvironments, LoginKey
 from agentenv.envd.process_service import ProcessService
 from agentenv.envd.processes import ProcessTable
 from agentenv.envd.reaper import reap_orphans_forever
@@ -96,7 +97,19 @@ async def init(request: Request) -> Response:
         state.default_user = body["defaultUser"]
     if body.get("defaultWorkdir"):
         state.default_workdir = body["defaultWorkdir"]
+    prepare_logins(request.app.state.logins, state)
     return Response(status_code=204)
+
+
+def prepare_logins(logins: LoginEnvironments, state: EnvdState) -> None:
+    """``/init`` follows every create, restore, resume and fork: no captured login from before it
+    is used; the one its commands will most likely need is captured now, in the background."""
+    logins.reset()
+    try:
+        user = state.user(None)
+    except Unauthenticated:
+        return  # a default user the sandbox lacks: its commands fail anyway
+    logins.prewarm(LoginKey.of(user, state.command_cwd(user), state.process_env(user, {})))
 
 
 #: Skew below which the clock is left alone (the host's timestamp is already a little old).
@@ -130,6 +143,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
     state = EnvdState(access_token=settings.access_token)
     spawner = Spawner()
     table = ProcessTable(spawner, stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)
+    logins = LoginEnvironments(spawner)
     filesystem = FilesystemService(state)
 
     @contextlib.asynccontextmanager
@@ -140,6 +154,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
         finally:
             reaper.cancel()
             filesystem.close()
+            logins.close()
             await table.shutdown()
             spawner.close()
 
@@ -152,7 +167,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
             Route("/files", download, methods=["GET"]),
             Route("/files", upload, methods=["POST"]),
             Route("/files/compose", compose, methods=["POST"]),
-            Mount(f"/{PROCESS_SERVICE}", app=process_app(ProcessService(state, table))),
+            Mount(f"/{PROCESS_SERVICE}", app=process_app(ProcessService(state, table, logins))),
             Mount(f"/{FILESYSTEM_SERVICE}", app=filesystem_app(filesystem)),
         ],
         middleware=[
@@ -171,6 +186,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
         lifespan=lifespan,
     )
     app.state.envd = state
+    app.state.logins = logins
     app.state.cpu = metrics.CpuSampler()
     app.state.sync_clock = settings.sync_clock
     return app

@@ -12,6 +12,7 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
 
+from agentenv.envd.loginenv import LoginEnvironments, LoginKey, login_script
 from agentenv.envd.processes import ManagedProcess, ProcessTable, StreamOverflow
 from agentenv.envd.proto.process_pb import (
     CloseStdinRequest,
@@ -56,9 +57,10 @@ def _start_event(pid: int) -> ProcessEvent:
 
 
 class ProcessService:
-    def __init__(self, state: EnvdState, table: ProcessTable) -> None:
+    def __init__(self, state: EnvdState, table: ProcessTable, logins: LoginEnvironments) -> None:
         self._state = state
         self._table = table
+        self._logins = logins
 
     # --- streams -------------------------------------------------------------------------------
     async def start(
@@ -73,15 +75,25 @@ class ProcessService:
             size = request.pty.size
             cols, rows = (size.cols, size.rows) if size is not None else (80, 24)
             pty_size = (cols or 80, rows or 24)
+        # Unset means true, for SDKs older than the flag (process.proto).
+        stdin = request.stdin if request.has_field("stdin") else True
+        cwd = self._cwd(config, user)
+        env = self._state.process_env(user, dict(config.envs))
+        argv = None
+        script = login_script(config, stdin=stdin, pty=pty_size is not None)
+        if script is not None:  # `bash -l -c`: start it in the captured login if there is one
+            login = await self._logins.lookup(LoginKey.of(user, cwd, env))
+            if login is not None:
+                argv, cwd, env = login.argv(script), login.cwd, login.env
         managed = await self._table.start(
             config,
             user=user,
-            cwd=self._cwd(config, user),
-            env=self._state.process_env(user, dict(config.envs)),
+            cwd=cwd,
+            env=env,
             tag=request.tag if request.has_field("tag") else None,
-            # Unset means true, for SDKs older than the flag (process.proto).
-            stdin=request.stdin if request.has_field("stdin") else True,
+            stdin=stdin,
             pty_size=pty_size,
+            argv=argv,
         )
         async for event in self._follow(managed, ctx):
             yield StartResponse(event=event)
@@ -192,6 +204,4 @@ class ProcessService:
             if not os.path.isdir(cwd):
                 raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist or is not a directory")
             return cwd
-        default = self._state.workdir(user)
-        # A user without a home (nobody: /nonexistent) still gets to run commands.
-        return default if os.path.isdir(default) else "/"
+        return self._state.command_cwd(user)

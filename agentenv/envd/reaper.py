@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 _INTERVAL = 2.0
 
 
-def _zombie_children(parent: int) -> list[int]:
-    found = []
+def _stat_fields() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every process."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -25,9 +25,16 @@ def _zombie_children(parent: int) -> list[int]:
                 fields = f.read().rpartition(")")[2].split()
         except OSError:
             continue
-        if len(fields) >= 2 and fields[0] == "Z" and int(fields[1]) == parent:
-            found.append(int(name))
-    return found
+        yield int(name), fields
+
+
+def _zombie_children(parent: int) -> list[int]:
+    return [pid for pid, f in _stat_fields() if len(f) >= 2 and f[0] == "Z" and int(f[1]) == parent]
+
+
+def session_members(session: int) -> list[int]:
+    """Processes (zombies aside) still in ``session``: what a process left running behind it."""
+    return [pid for pid, f in _stat_fields() if len(f) >= 4 and f[0] != "Z" and int(f[3]) == session]
 
 
 def reap_once(managed: Callable[[], set[int] | None]) -> int:

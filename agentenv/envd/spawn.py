@@ -60,6 +60,8 @@ class Stdio:
     stdin: StdioTarget
     stdout: StdioTarget
     stderr: StdioTarget
+    #: further fds the child keeps, at the same numbers
+    keep: tuple[int, ...] = ()
 
 
 class _ThreadCredentials:
@@ -174,6 +176,7 @@ class Spawner:
             stdin=stdio.stdin,
             stdout=stdio.stdout,
             stderr=stdio.stderr,
+            pass_fds=stdio.keep,
             start_new_session=True,
         )
         if controlling_tty is not None:

@@ -32,6 +32,12 @@ class EnvdState:
     def workdir(self, user: User) -> str:
         return self.default_workdir or user.home
 
+    def command_cwd(self, user: User) -> str:
+        """Where a command without a cwd starts. A user without a home (nobody: /nonexistent)
+        still gets to run commands."""
+        default = self.workdir(user)
+        return default if os.path.isdir(default) else "/"
+
     def process_env(self, user: User, overrides: dict[str, str]) -> dict[str, str]:
         """envd's environment < user identity < ``/init`` envVars < the request's envs."""
         # envd's own configuration (its access token among it) must not leak into user processes.

@@ -1224,3 +1224,253 @@ def test_stalled_client_is_dropped_and_the_process_runs_on(workdir: str) -> None
         assert b'"aborted"' in tail and b"fell behind" in tail
     finally:
         assert "Traceback" not in _stop_envd(server)
+
+
+# --- login environments (agentenv/envd/loginenv.py) ----------------------------------------------
+# `commands.run` is `/bin/bash -l -c <cmd>`; envd runs the profile once per (user, cwd, env) and
+# starts commands as `bash --login --noprofile -c` in its result. These tests pin that a command
+# cannot tell: an envd in a private mount namespace with an account of its own and a Debian-like
+# profile (`$(id -u)`, /etc/profile.d, ~/.profile's PATH additions). `stdin=True` commands always
+# run the real `bash -l` (a profile could read stdin), which gives the reference to compare with.
+LOGIN_UID = 61001
+ETC_PROFILE = """\
+if [ "$(id -u)" -eq 0 ]; then
+  PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+else
+  PATH="/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+fi
+export PATH
+if [ -d /etc/profile.d ]; then
+  for i in /etc/profile.d/*.sh; do
+    if [ -r $i ]; then
+      . $i
+    fi
+  done
+  unset i
+fi
+"""
+HOME_PROFILE = """\
+if [ -d "$HOME/bin" ] ; then PATH="$HOME/bin:$PATH"; fi
+if [ -d "$HOME/.local/bin" ] ; then PATH="$HOME/.local/bin:$PATH"; fi
+export FROM_PROFILE="home-profile"
+export DERIVED="derived-${FOO:-none}"
+"""
+#: What a command can observe of its shell and environment, minus what differs between any two
+#: processes (pids, counters, clocks, the command string).
+STATE_PROBE = (
+    "env; declare -p | grep -Ev '^declare -[-a-zA-Z]* (BASHPID|BASH_ARGV0|BASH_COMMAND|"
+    "BASH_EXECUTION_STRING|BASH_LINENO|BASH_SOURCE|BASH_ARGC|BASH_ARGV|EPOCHREALTIME|EPOCHSECONDS|"
+    "LINENO|RANDOM|SRANDOM|SECONDS|PIPESTATUS|BASH_CMDS|_)='; declare -f; shopt -p; set +o; "
+    'echo "$- $0 $# $SHLVL"; umask; ulimit -a; pwd; shopt login_shell'
+)
+
+
+@dataclass
+class LoginEnvd:
+    envd: Envd
+    root: Path
+    home: Path
+
+    def sandbox(self) -> Sandbox:
+        return self.envd.sandbox()
+
+    def run(self, cmd: str, **kwargs: Any) -> str:
+        return self.sandbox().commands.run(cmd, **kwargs).stdout
+
+    def cold(self, cmd: str, **kwargs: Any) -> str:
+        """Through the real `bash -l` (never served from a captured login)."""
+        return self.run(cmd, stdin=True, **kwargs)
+
+    def uses_captured_login(self, **kwargs: Any) -> bool:
+        """Whether a command (after the key's second one) starts without the profile."""
+        for _ in range(3):
+            # In a substitution: as the last command, tr would be exec'd and read its own.
+            cmdline = self.run("line=$(tr '\\0' ' ' < /proc/$$/cmdline); echo \"$line\"", **kwargs)
+            if "--noprofile" in cmdline:
+                return True
+            time.sleep(0.3)  # the capture runs in the background after the second command
+        return False
+
+    def in_namespace(self, *argv: str) -> None:
+        """Run in envd's mount namespace, behind envd's back (no inotify event reaches it)."""
+        subprocess.run(["nsenter", "-t", str(self.envd.proc.pid), "-m", *argv], check=True)
+
+
+@pytest.fixture(scope="module")
+def login_envd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoginEnvd]:
+    root = tmp_path_factory.mktemp("login")
+    home = root / "home"
+    (root / "profile.d").mkdir()
+    home.mkdir()
+    (home / ".profile").write_text(HOME_PROFILE)
+    for path in (home, home / ".profile"):
+        os.chown(path, LOGIN_UID, LOGIN_UID)
+    (root / "profile").write_text(ETC_PROFILE)
+    (root / "passwd").write_text(
+        Path("/etc/passwd").read_text() + f"loginuser:x:{LOGIN_UID}:{LOGIN_UID}::{home}:/bin/bash\n"
+    )
+    (root / "group").write_text(Path("/etc/group").read_text() + f"loginuser:x:{LOGIN_UID}:\n")
+    port = _free_port()
+    binds = {"passwd": "/etc/passwd", "group": "/etc/group", "profile": "/etc/profile"}
+    script = " && ".join(f"mount --bind {root / src} {dst}" for src, dst in binds.items())
+    script += f" && mkdir -p /etc/profile.d && mount --bind {root / 'profile.d'} /etc/profile.d"
+    script += f" && exec {sys.executable} -m agentenv.envd --host 127.0.0.1 --port {port} --log-level info"
+    log = root / "envd.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
+    try:
+        _wait_for(lambda: _healthy(server.url), timeout=20)
+        resp = httpx.post(
+            f"{server.url}/init", json={"defaultUser": "loginuser", "envVars": {"FROM_INIT": "1"}}
+        )
+        assert resp.status_code == 204
+        yield LoginEnvd(server, root, home)
+    finally:
+        log_text = _stop_envd(server)
+        assert "Traceback" not in log_text, log_text
+
+
+@pytest.mark.skipif(shutil.which("nsenter") is None, reason="needs util-linux unshare and nsenter")
+def test_login_command_sees_exactly_what_bash_l_sees(login_envd: LoginEnvd, workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    assert login_envd.uses_captured_login()
+    captured, cold = login_envd.run(STATE_PROBE), login_envd.cold(STATE_PROBE)
+    assert captured == cold
+    assert "FROM_PROFILE=home-profile" in captured and "FROM_INIT=1" in captured
+    assert "PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games\n" in captured
+    assert "login_shell    \ton" in captured
+    # Per-command envs and cwd: the profile sees them (DERIVED), each combination its own login.
+    for foo in ("x", "y"):
+        kwargs: dict[str, Any] = {"envs": {"FOO": foo}, "cwd": workdir}
+        assert login_envd.uses_captured_login(**kwargs)
+        assert login_envd.run(STATE_PROBE, **kwargs) == login_envd.cold(STATE_PROBE, **kwargs)
+        assert login_envd.run("echo $DERIVED; pwd", **kwargs) == f"derived-{foo}\n{workdir}\n"
+
+
+def test_login_command_is_bash_c_of_its_own(login_envd: LoginEnvd) -> None:
+    """A fresh process per command; bash's own -c parsing, exit statuses, exec of the last
+    command (a signal kills the program itself), ~/.bash_logout on exit."""
+    assert login_envd.uses_captured_login()
+    sbx = login_envd.sandbox()
+    pids = {sbx.commands.run("X=1; echo $$").stdout for _ in range(3)}
+    assert len(pids) == 3
+    assert sbx.commands.run('echo "${X-unset}"').stdout == "unset\n"
+    failing = ("echo (", "exit 7", "kill -9 $$", "sh -c 'kill -SEGV $$'", "sleep 30 & kill -SEGV $!; wait $!")
+    for script in failing:
+        got, want = _failure(sbx, script), _failure(sbx, script, stdin=True)
+        assert _outcome(got) == _outcome(want), script
+    assert "bash: -c: line 1: syntax error" in _failure(sbx, "echo (").stderr
+    assert _failure(sbx, "sh -c 'kill -SEGV $$'").error == "signal: segmentation fault"  # exec'd: not 139
+    (login_envd.home / ".bash_logout").write_text("echo bye from logout\n")
+    try:
+        assert sbx.commands.run("echo hi; exit 0").stdout == "hi\nbye from logout\n"
+    finally:
+        (login_envd.home / ".bash_logout").unlink()
+
+
+def _failure(sbx: Sandbox, script: str, **kwargs: Any) -> CommandExitException:
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run(script, **kwargs)
+    return failed.value
+
+
+def _outcome(failed: CommandExitException) -> tuple[object, ...]:
+    return failed.exit_code, failed.error, failed.stdout, failed.stderr
+
+
+def test_login_command_kill_stdin_and_background(login_envd: LoginEnvd) -> None:
+    assert login_envd.uses_captured_login()
+    sbx = login_envd.sandbox()
+    handle = sbx.commands.run("sleep 30", background=True)
+    assert sbx.commands.kill(handle.pid)
+    with pytest.raises(CommandExitException) as killed:
+        handle.wait()
+    assert killed.value.error == "signal: killed"
+    with_stdin = sbx.commands.run(
+        "read line; echo got $line; echo $FROM_PROFILE", background=True, stdin=True
+    )
+    sbx.commands.send_stdin(with_stdin.pid, "input\n")
+    assert with_stdin.wait().stdout == "got input\nhome-profile\n"
+
+
+def test_profile_changes_reach_the_next_command(login_envd: LoginEnvd) -> None:
+    """A command that edits a startup file, or creates a directory the profile adds to PATH,
+    is followed by commands that see the change (inotify drops the captured login)."""
+    assert login_envd.uses_captured_login()
+    sbx = login_envd.sandbox()
+    home = login_envd.home
+    try:
+        sbx.commands.run("echo 'export EDITED=yes' >> ~/.profile")
+        assert sbx.commands.run("echo $EDITED").stdout == "yes\n"
+        sbx.commands.run("mkdir -p ~/.local/bin")
+        assert sbx.commands.run("echo $PATH").stdout.startswith(f"{home}/.local/bin:")
+        sbx.files.write("/etc/profile.d/zz-test.sh", "export FROM_PROFILE_D=1\n", user="root")
+        assert sbx.commands.run("echo $FROM_PROFILE_D").stdout == "1\n"
+        assert login_envd.uses_captured_login()
+        assert login_envd.run(STATE_PROBE) == login_envd.cold(STATE_PROBE)
+    finally:
+        (home / ".profile").write_text(HOME_PROFILE)
+        shutil.rmtree(home / ".local", ignore_errors=True)
+        (login_envd.root / "profile.d" / "zz-test.sh").unlink(missing_ok=True)
+
+
+def test_logins_are_per_user(login_envd: LoginEnvd) -> None:
+    """Each user gets their own login (root's: the profile's uid-0 branch and root's ~/.profile,
+    which on a host may well define functions and so is not captured at all)."""
+    probe = "id -un; echo ${FROM_PROFILE-none}; " + STATE_PROBE
+    for _ in range(3):
+        as_root, as_user = login_envd.run(probe, user="root"), login_envd.run(probe)
+        assert as_root == login_envd.cold(probe, user="root")
+        assert as_user == login_envd.cold(probe)
+        assert as_root.startswith("root\nnone\n") and "/usr/local/sbin:" in as_root
+        assert as_user.startswith("loginuser\nhome-profile\n") and "/usr/local/sbin" not in as_user
+
+
+def test_profile_with_output_or_state_is_not_captured(login_envd: LoginEnvd) -> None:
+    """Output of the profile is part of each command's output; a function it defines is
+    visible to the command: such logins are run for every command, as before."""
+    home = login_envd.home
+    try:
+        with (home / ".profile").open("a") as profile:
+            profile.write("echo welcome\nhelper() { echo helped; }\n")
+        sbx = login_envd.sandbox()
+        for _ in range(3):
+            assert sbx.commands.run("helper").stdout == "welcome\nhelped\n"
+        assert not login_envd.uses_captured_login()
+    finally:
+        (home / ".profile").write_text(HOME_PROFILE)
+    assert login_envd.uses_captured_login()
+
+
+def test_init_drops_captured_logins(login_envd: LoginEnvd) -> None:
+    """/init follows every restore, resume and fork: a login captured before it is not used
+    after it, even when the file system changed without envd seeing it (a restored disk)."""
+    assert login_envd.uses_captured_login()
+    replacement = login_envd.root / "replacement-profile"
+    replacement.write_text(HOME_PROFILE + "export RESTORED=1\n")
+    os.chown(replacement, LOGIN_UID, LOGIN_UID)
+    login_envd.in_namespace("mount", "--bind", str(replacement), str(login_envd.home / ".profile"))
+    try:
+        # Behind envd's back: the captured login still stands ...
+        assert login_envd.run("echo ${RESTORED-stale}") == "stale\n"
+        resp = httpx.post(f"{login_envd.envd.url}/init", json={"defaultUser": "loginuser"})
+        assert resp.status_code == 204
+        # ... until /init.
+        assert login_envd.run("echo ${RESTORED-stale}") == "1\n"
+        assert login_envd.uses_captured_login()
+    finally:
+        login_envd.in_namespace("umount", str(login_envd.home / ".profile"))
+        httpx.post(f"{login_envd.envd.url}/init", json={"defaultUser": "loginuser"})
+
+
+def test_envd_keeps_no_idle_processes(login_envd: LoginEnvd) -> None:
+    """No pre-started shells: between commands envd has no children (nothing of a user's
+    lingers, nothing extra is in a sandbox's checkpoint)."""
+    assert login_envd.uses_captured_login()
+    time.sleep(0.5)
+    tasks = Path(f"/proc/{login_envd.envd.proc.pid}/task")  # unshare exec'd sh, which exec'd envd
+    assert [c for t in tasks.iterdir() for c in (t / "children").read_text().split()] == []

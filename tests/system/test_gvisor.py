@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -12,10 +13,12 @@ from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
+from agentenv.config import GvisorSettings
 from agentenv.errors import Failed
-from agentenv.runtime.gvisor import cgroups
+from agentenv.runtime.gvisor import cgroups, disk, platforms
+from agentenv.runtime.gvisor.runsc import CONTROL_SOCKET_DIRS, Runsc
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
-from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
+from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import leaks, unique_id
 from tests.support.fixtures import RuntimeFactory, SandboxFactory
 
@@ -78,6 +81,11 @@ def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
         "dir": paths.root.exists(),
         "runsc_state": (runsc_root / paths.container_id).exists()
         or any(p.name.startswith(paths.container_id) for p in runsc_root.glob("*")),
+        "control_sockets": [
+            sock
+            for d in (runsc_root, *CONTROL_SOCKET_DIRS)
+            if (sock := d / f"runsc-{paths.container_id}.sock").exists()
+        ],
     }
     return {k: v for k, v in found.items() if v}
 
@@ -87,9 +95,40 @@ async def test_probe_and_platform(gvisor: GvisorRuntime) -> None:
     # kvm only where /dev/kvm can run hardware-virtualised guests; this check must agree.
     from agentenv.runtime.kvm import kvm_unusable_reason
 
-    assert gvisor.runsc.platform() in ("kvm", "ptrace")
+    assert gvisor.runsc.platform() in ("kvm", "ptrace", "systrap")
     if kvm_unusable_reason() is not None:
-        assert gvisor.runsc.platform() == "ptrace"
+        assert gvisor.runsc.platform() != "kvm"
+
+
+async def test_auto_platform_is_measured_once_and_cached(gvisor: GvisorRuntime, tmp_path: Path) -> None:
+    """``auto`` times each platform's run, process start, checkpoint and restore, keeps the
+    fastest by :data:`platforms.WEIGHTS`, and a second runtime reads the cache instead."""
+    settings = GvisorSettings(runsc_path=gvisor.runsc.binary, platform="auto")
+    cache = tmp_path / "platform.json"
+    started = time.monotonic()
+    chosen = Runsc(settings, tmp_path / "root", tmp_path / "probe", platform_cache=cache).platform()
+    print(f"\nauto platform {chosen}, measured in {time.monotonic() - started:.1f}s: {cache.read_text()}")
+    (entry,) = json.loads(cache.read_text()).values()
+    measured = entry["measured"]
+    assert entry["platform"] == chosen == min(measured, key=lambda p: platforms.score(measured[p]))
+    assert all(set(m) == set(platforms.WEIGHTS) and min(m.values()) > 0 for m in measured.values())
+    assert not (tmp_path / "probe").exists()  # the probe's runsc root and containers are gone
+
+    import agentenv.runtime.gvisor.runsc as runsc_module
+
+    runsc_module._auto_platforms.clear()  # a new process: only the file remembers
+    started = time.monotonic()
+    assert Runsc(settings, tmp_path / "root", tmp_path / "probe", platform_cache=cache).platform() == chosen
+    assert time.monotonic() - started < 0.5
+
+
+async def test_old_runsc_is_refused(tmp_path: Path) -> None:
+    fake = tmp_path / "runsc"
+    fake.write_text("#!/bin/sh\necho 'runsc version 0.0~20221219.0'\necho 'spec: 1.0.2-dev'\n")
+    fake.chmod(0o755)
+    runsc = Runsc(GvisorSettings(runsc_path=str(fake)), tmp_path / "root", tmp_path / "probe")
+    reason = runsc.unsupported_reason()
+    assert reason is not None and "20221219" in reason and "bootstrap" in reason
 
 
 async def test_create_health_command_kill(
@@ -243,3 +282,49 @@ async def test_freeze_keeps_the_sandbox_and_thaw_lets_it_go_on(
     await gvisor.freeze(instance)
     await gvisor.kill(instance)
     assert leftovers(gvisor, instance.sandbox_id) == {}
+
+
+async def test_snapshot_of_a_running_sandbox_only_pauses_it(
+    gvisor: GvisorRuntime,
+    base_template: TemplateImage,
+    sandbox_factory: SandboxFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``snapshot(stop=False)`` of a small upper: the same processes go on (checkpoint
+    ``--leave-running``, the upper copied), a sandbox restored from it sees memory and disk as
+    they were, and the sandbox's own disk and chain are untouched. A large upper takes the
+    stopping path, which leaves the sandbox an empty upper."""
+    instance = await sandbox_factory(gvisor)
+    code, pid = await run(instance, "sleep 1000 >/dev/null 2>&1 & echo $!")
+    code, out = await run(instance, "head -c 20M /dev/urandom > /home/user/data; md5sum /home/user/data")
+    assert code == 0, out
+    paths = gvisor.paths(instance.sandbox_id)
+    chain_before = gvisor.disks.chain(paths)
+
+    started = time.monotonic()
+    await gvisor.snapshot(instance, SnapshotRef("run1", tmp_path / "run1"), stop=False)
+    print(f"\nrunning snapshot: {(time.monotonic() - started) * 1000:.0f} ms")
+    code, alive = await run(instance, f"kill -0 {pid.strip()} && echo alive; echo more > /home/user/later")
+    assert (code, alive.strip()) == (0, "alive")  # the same process, never restored
+    assert gvisor.disks.chain(paths) == chain_before and (paths.upper / "home/user/data").exists()
+    assert len(gvisor.disks.held(paths)) == 1
+
+    child_spec = SandboxSpec(sandbox_id=unique_id("child"), template=base_template)
+    child = await gvisor.restore(child_spec, SnapshotRef("run1", tmp_path / "run1"))
+    try:
+        code, child_out = await run(
+            child, f"md5sum /home/user/data; kill -0 {pid.strip()} && echo alive; ls /home/user"
+        )
+        assert code == 0, child_out
+        assert child_out.split()[0] == out.split()[0] and "alive" in child_out and "later" not in child_out
+    finally:
+        await gvisor.kill(child)
+
+    # Over the copy limit: checkpoint, seal, restore in place.
+    monkeypatch.setattr(disk, "COPY_MAX_BYTES", 1 << 20)
+    await gvisor.snapshot(instance, SnapshotRef("run2", tmp_path / "run2"), stop=False)
+    assert not (paths.upper / "home/user/data").exists()
+    assert len(gvisor.disks.chain(paths)) == len(chain_before) + 1
+    code, out = await run(instance, "cat /home/user/later")
+    assert (code, out.strip()) == (0, "more")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,7 +112,6 @@ def measure(runsc: Runsc, platform: str) -> Measurement | None:
         log.info("runsc platform auto: %s does not run here: %s", platform, exc)
         return None
     finally:
-        runsc.kill_all()
         shutil.rmtree(runsc.root, ignore_errors=True)
     return {op: round(min(r[op] for r in rounds), 1) for op in WEIGHTS}
 
@@ -120,35 +120,46 @@ def _one_round(runsc: Runsc, platform: str) -> Measurement:
     scratch = runsc.root / "probe"
     scratch.mkdir(parents=True, exist_ok=True)
     flags = runsc.sandbox_flags(platform, network="none")
-    result: Measurement = {}
+    try:
+        return {**_time_starts(runsc, flags, scratch), **_time_checkpoint(runsc, flags, scratch)}
+    finally:
+        runsc.kill_all()
+        shutil.rmtree(scratch, ignore_errors=True)
 
-    # A run whose init times process starts: the rest of the run is the sandbox's start and exit.
+
+def _time_starts(runsc: Runsc, flags: list[str], scratch: Path) -> Measurement:
+    """A run whose init times process starts inside: the rest of the run's wall time is the
+    sandbox's own start and exit."""
     bundle = _bundle(scratch / "starts", ["/bin/sh", "-c", _START_LOOP])
     started = time.monotonic()
-    out = _step(runsc.command(*flags, "run", "--bundle", str(bundle), f"{platform}-starts"))
+    out = _step(runsc.command(*flags, "run", "--bundle", str(bundle), "probe-starts"))
     wall_ms = (time.monotonic() - started) * 1000
-    loop_ms = int(out.split()[-1]) / 1e6
-    result["process_start_ms"] = loop_ms / STARTS
-    result["run_ms"] = wall_ms - loop_ms
+    numbers = re.findall(r"^\d+$", out, re.MULTILINE)
+    if not numbers:
+        raise ProbeFailed(f"the process-start loop printed no time: {out[-300:]!r}")
+    loop_ms = int(numbers[-1]) / 1e6
+    return {"process_start_ms": loop_ms / STARTS, "run_ms": wall_ms - loop_ms}
 
+
+def _time_checkpoint(runsc: Runsc, flags: list[str], scratch: Path) -> Measurement:
+    """Checkpoint a process holding 40 MiB, then restore it."""
     holder = _bundle(scratch / "holder", [os.path.realpath(sys.executable), "-S", "-c", _HOLDER])
-    cid, image, log_file = f"{platform}-holder", scratch / "image", scratch / "holder.out"
-    _step(runsc.command(*flags, "run", "--detach", "--bundle", str(holder), cid), output=log_file)
-    _wait_for_line(log_file, "ready")
+    cid, image, output = "probe-holder", scratch / "image", scratch / "holder.out"
+    _step(runsc.command(*flags, "run", "--detach", "--bundle", str(holder), cid), output)
+    _wait_for_line(output, "ready")
     image.mkdir()
     started = time.monotonic()
     _step(runsc.command("checkpoint", "--compression=none", "--image-path", str(image), cid))
-    result["checkpoint_ms"] = (time.monotonic() - started) * 1000
+    checkpoint_ms = (time.monotonic() - started) * 1000
     runsc.kill_all()
     runsc.forget(cid)
     started = time.monotonic()
     restore = ["restore", "--detach", "--image-path", str(image), "--bundle", str(holder), cid]
-    _step(runsc.command(*flags, *restore), output=log_file)
-    result["restore_ms"] = (time.monotonic() - started) * 1000
+    _step(runsc.command(*flags, *restore), output)
+    restore_ms = (time.monotonic() - started) * 1000
     runsc.kill_all()
     runsc.forget(cid)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return result
+    return {"checkpoint_ms": checkpoint_ms, "restore_ms": restore_ms}
 
 
 def _bundle(path: Path, args: list[str]) -> Path:

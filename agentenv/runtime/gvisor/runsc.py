@@ -42,8 +42,8 @@ MIN_RELEASE = 20240729
 #: sockets fill all of them cannot start again ("unable to find location to write socket file").
 CONTROL_SOCKET_DIRS = (Path("/var/run"), Path("/run"), Path("/tmp"))
 
-#: Platform chosen by ``auto``, per runsc binary (read from the on-disk cache once per process).
-_auto_platforms: dict[str, str] = {}
+#: Platform chosen by ``auto``, per runsc binary and cache file (the file is read once per process).
+_auto_platforms: dict[tuple[str, Path], str] = {}
 
 
 class Runsc:
@@ -87,13 +87,13 @@ class Runsc:
         :mod:`~agentenv.runtime.gvisor.platforms`; cached on disk per binary and kernel)."""
         if self._platform != "auto":
             return self._platform
-        chosen = _auto_platforms.get(self.binary)
-        if chosen is None:
+        key = (self.binary, self._platform_cache)
+        if key not in _auto_platforms:
             probe = Runsc(
                 GvisorSettings(runsc_path=self.binary, platform="ptrace"), self._probe_dir, self._probe_dir
             )
-            chosen = _auto_platforms[self.binary] = platforms.choose(probe, self._platform_cache)
-        return chosen
+            _auto_platforms[key] = platforms.choose(probe, self._platform_cache)
+        return _auto_platforms[key]
 
     @staticmethod
     def sandbox_flags(platform: str, *, network: str = "sandbox") -> list[str]:
