@@ -1,21 +1,26 @@
 """Issue-2 benchmark: create-to-first-command, `commands.run` round trip and 1 MiB file
-write/read through the official e2b SDK, for 1 and 16 concurrent sandboxes.
+write/read through the official e2b SDK, for 1 and 16 concurrent sandboxes; issue 9's
+`commands.run("echo hi")` round trip (docs/LATENCY.md).
 
 Baseline measured in the same run: a cold `runsc run /bin/true` on the template's root file
-system (the floor any gVisor sandbox pays, without envd or the API)."""
+system (the floor any gVisor sandbox pays, without envd or the API).
+
+`python -m bench.core echo [--runs N]` measures only the `echo hi` row, against its own server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.harness import ServerProcess, stats, timed
+from bench.harness import ServerProcess, serve, stats, timed
 
 ONE_MIB = os.urandom(1 << 20)
 
@@ -57,8 +62,6 @@ def one_sandbox_session(commands: int) -> dict[str, list[float]]:
         "file_read_1mib": [],
         "kill": [],
     }
-    import time
-
     start = time.perf_counter()
     sandbox = Sandbox.create("base")
     try:
@@ -90,10 +93,30 @@ def run_concurrency(concurrency: int, sessions: int, commands: int) -> dict[str,
     return {key: stats(samples) for key, samples in merged.items()}
 
 
+#: After create, the warm pool refills (a `runsc restore` on the same cores): let it finish.
+SETTLE_SECONDS = 3.0
+
+
+def echo_hi_round_trips(runs: int) -> dict[str, float | int]:
+    """`commands.run("echo hi")` back to back on one settled sandbox: the SDK's Start stream
+    through the proxy, envd, `bash -l -c "echo hi"` (issue 9: p50 < 30 ms)."""
+    from e2b import Sandbox
+
+    sandbox = Sandbox.create("base")
+    try:
+        assert sandbox.commands.run("echo hi").stdout == "hi\n"
+        time.sleep(SETTLE_SECONDS)
+        samples = [timed(lambda: sandbox.commands.run("echo hi")) for _ in range(max(runs, 20))]
+    finally:
+        sandbox.kill()
+    return stats(samples)
+
+
 def run(server: ServerProcess, runs: int, templates_dir: Path) -> dict[str, object]:
     os.environ.update(server.sdk_env)
     rootfs = templates_dir / "base" / "rootfs"
     baseline = stats(runsc_cold_baseline(rootfs, runs)) if shutil.which("runsc") else {"n": 0}
+    echo_hi = echo_hi_round_trips(runs)
     single = run_concurrency(1, runs, commands=10)
     parallel = run_concurrency(16, 16, commands=10)
     ratio = None
@@ -101,7 +124,22 @@ def run(server: ServerProcess, runs: int, templates_dir: Path) -> dict[str, obje
         ratio = round(float(single["create_to_first_command"]["p50_ms"]) / float(baseline["p50_ms"]), 2)  # type: ignore[index]
     return {
         "baseline_runsc_cold_true": baseline,
+        "echo_hi_round_trip": echo_hi,
         "concurrency_1": single,
         "concurrency_16": parallel,
         "create_p50_vs_runsc_cold_p50": ratio,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.core")
+    parser.add_argument("only", choices=["echo"], help="the one measurement to run")
+    parser.add_argument("--runs", type=int, default=40)
+    args = parser.parse_args()
+    with serve() as server:
+        os.environ.update(server.sdk_env)
+        print(json.dumps({"echo_hi_round_trip": echo_hi_round_trips(args.runs)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

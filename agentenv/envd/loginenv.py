@@ -45,7 +45,7 @@ from agentenv.envd.reaper import session_members
 from agentenv.envd.spawn import Spawner, Stdio, identity_for
 from agentenv.envd.users import User
 
-log = logging.getLogger("agentenv.envd.login")
+log = logging.getLogger("agentenv.envd.login")  # envd's handler: server.log_to_stderr
 
 BASH = "/bin/bash"
 _MARK_STATE = "__agentenv_login_state__"
@@ -53,22 +53,27 @@ _MARK_ENV = "__agentenv_login_env__"
 #: Run right after the login (its first line sees the profile's ``$?``). The same text in the
 #: capture and the verification, so the dumps compare byte for byte; variables that differ
 #: between any two shells (counters, clocks, the -c string, the hash table) are unset first.
+#: (``$_`` is not: by then it is the same in both, and its place in the children's environment
+#: is compared.)
 _STATE_SCRIPT = f"""__agentenv_status=$?
 set +x
 unset BASH_XTRACEFD
 printf '%s\\n' {_MARK_STATE}
 unset -v BASHPID BASH_ARGV0 BASH_COMMAND BASH_EXECUTION_STRING BASH_LINENO BASH_SOURCE BASH_CMDS \
 EPOCHREALTIME EPOCHSECONDS LINENO RANDOM SRANDOM SECONDS HISTCMD FUNCNAME BASH_SUBSHELL PIPESTATUS \
-BASH_ARGC BASH_ARGV _ 2>/dev/null
+BASH_ARGC BASH_ARGV 2>/dev/null
 declare -p; declare -f; shopt -p; set +o; printf '%s\\n' "$-"; umask; trap -p
 ulimit -a; ulimit -H -a; alias -p; dirs -l -p; pwd; jobs -l
 printf '%s\\n' {_MARK_ENV}
 exec {BASH} --noprofile --norc -c 'mapfile -d "" -t e </proc/self/environ && printf "%s\\0" "${{e[@]}}"'
 """
-#: Variables bash sets for itself at start-up: commands get the value envd would have passed.
-_SHELL_MANAGED = ("SHLVL", "_")
-#: ... and those it creates when they are not in its environment.
-_STARTUP_VARS = frozenset({*_SHELL_MANAGED, "PWD", "OLDPWD"})
+#: Bash counts it up at start-up itself: commands get the value envd would have passed.
+_SHLVL = "SHLVL"
+#: Bash sets ``_`` for every child itself (appending it to the environment): passed on, an
+#: inherited one would only move it in the children's ``env``.
+_UNDERSCORE = "_"
+#: What bash creates at start-up when its environment lacks it: never added.
+_STARTUP_VARS = frozenset({_SHLVL, _UNDERSCORE, "PWD", "OLDPWD"})
 _PSEUDO_FS = ("/proc/", "/sys/", "/dev/")
 _RUN_TIMEOUT_S = 10.0
 #: After the shell exited its pipes must close at once: something holding them is a leftover.
@@ -407,7 +412,8 @@ def _login_env(stdout: bytes, key: LoginKey) -> LoginEnv | None:
     In the order the login shell took its variables in (the environment envd passed, then the
     profile's new ones): bash's export order follows its variable table's insertion order, and
     the children of a command's shell must see the same ``env`` as under ``bash -l``. What bash
-    sets for itself at start-up (``_STARTUP_VARS``) is passed only as envd would pass it."""
+    sets for itself at start-up (``_STARTUP_VARS``) is passed only as envd would pass it, or not
+    at all (``_``)."""
     _, found, raw = stdout.partition(b"\n" + _MARK_ENV.encode() + b"\n")
     if not found:
         return None
@@ -416,11 +422,12 @@ def _login_env(stdout: bytes, key: LoginKey) -> LoginEnv | None:
         name, equals, value = os.fsdecode(entry).partition("=")
         if equals:
             captured[name] = value
-    base = dict(key.env)
-    env = {
-        name: base[name] if name in _SHELL_MANAGED else captured[name] for name in base if name in captured
-    }
-    env.update((name, base[name]) for name in _SHELL_MANAGED if name in base)
+    env: dict[str, str] = {}
+    for name, value in key.env:
+        if name == _SHLVL:
+            env[name] = value
+        elif name in captured and name != _UNDERSCORE:
+            env[name] = captured[name]
     for name, value in captured.items():
         if name not in env and name not in _STARTUP_VARS:
             env[name] = value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import selectors
 import sys
 
@@ -22,8 +23,18 @@ def poll_loop() -> asyncio.AbstractEventLoop:
     return asyncio.SelectorEventLoop(selectors.PollSelector())
 
 
+def log_to_stderr(level: str) -> None:
+    """envd's own loggers (``agentenv.envd.*``) at ``--log-level``; uvicorn configures only its own."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:  %(name)s: %(message)s"))
+    envd_log = logging.getLogger("agentenv.envd")
+    envd_log.addHandler(handler)
+    envd_log.setLevel(level.upper())
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
+    log_to_stderr(settings.log_level)
     # envd's memory is in every checkpoint image: keep what it never uses out (lean.py), before
     # anything imports connectrpc or uvicorn.
     lean.defer_http_client()

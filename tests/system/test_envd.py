@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -1297,8 +1298,11 @@ class LoginEnvd:
 
 
 @pytest.fixture(scope="module")
-def login_envd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoginEnvd]:
-    root = tmp_path_factory.mktemp("login")
+def login_envd() -> Iterator[LoginEnvd]:
+    # Not under pytest's tmp_path: its parents are private to root, and the account must reach
+    # its home (else its profile fails with permission denied, and nothing is captured).
+    root = Path(tempfile.mkdtemp(prefix="envd-login-"))
+    root.chmod(0o755)
     home = root / "home"
     (root / "profile.d").mkdir()
     home.mkdir()
@@ -1331,6 +1335,7 @@ def login_envd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoginEnvd]:
         yield LoginEnvd(server, root, home)
     finally:
         log_text = _stop_envd(server)
+        shutil.rmtree(root, ignore_errors=True)
         assert "Traceback" not in log_text, log_text
 
 
@@ -1379,7 +1384,8 @@ def _failure(sbx: Sandbox, script: str, **kwargs: Any) -> CommandExitException:
 
 
 def _outcome(failed: CommandExitException) -> tuple[object, ...]:
-    return failed.exit_code, failed.error, failed.stdout, failed.stderr
+    """What a failed command reports, pids aside (bash names the job it reports on)."""
+    return failed.exit_code, failed.error, failed.stdout, re.sub(r"\b\d+\b", "<n>", failed.stderr)
 
 
 def test_login_command_kill_stdin_and_background(login_envd: LoginEnvd) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -328,3 +330,68 @@ async def test_snapshot_of_a_running_sandbox_only_pauses_it(
     assert len(gvisor.disks.chain(paths)) == len(chain_before) + 1
     code, out = await run(instance, "cat /home/user/later")
     assert (code, out.strip()) == (0, "more")
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, str]]:
+    """path -> (mode, uid, content or link target) of everything below ``root``."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        if path.is_symlink():
+            what = "-> " + os.readlink(path)
+        elif path.is_file():
+            what = path.read_text()
+        else:
+            what = "dir"
+        found[str(path.relative_to(root))] = (st.st_mode, st.st_uid, what)
+    return found
+
+
+async def test_upper_deltas_stack_to_the_upper(tmp_path: Path) -> None:
+    """Two running-snapshot layers over the mounted chain show exactly the live overlay: new,
+    changed, renamed, chmodded, hard-linked and deleted entries, a directory deleted and made
+    anew (whose old entries must not show through), a file from the template deleted, and an
+    opaque directory that changes again."""
+    from agentenv.runtime.gvisor import upper_delta
+    from agentenv.storage.layers import overlay_mount, overlay_unmount
+
+    lower, upper, work, live, view = (tmp_path / n for n in ("lower", "upper", "work", "live", "view"))
+    for d in (lower / "etc", upper, work, live, view):
+        d.mkdir(parents=True)
+    (lower / "etc" / "hosts").write_text("template\n")
+    (lower / "etc" / "gone").write_text("template\n")
+    (lower / "opt" / "pkg").mkdir(parents=True)
+    (lower / "opt" / "pkg" / "a").write_text("template\n")
+    overlay_mount(live, [lower], upper, work)
+    try:
+        shutil.rmtree(live / "opt/pkg")  # made anew over the template's: opaque in the upper
+        (live / "opt/pkg").mkdir()
+        (live / "opt/pkg/b").write_text("b\n")
+        (live / "home/user/d").mkdir(parents=True)
+        (live / "home/user/d/old").write_text("old\n")
+        (live / "home/user/keep").write_text("keep\n")
+        (live / "home/user/edit").write_text("v1\n")
+        layer1 = tmp_path / "l1"
+        entries = upper_delta.build(upper, layer1, {})
+
+        (live / "home/user/edit").write_text("v2\n")
+        (live / "opt/pkg/c").write_text("c\n")  # layer 2's opt/pkg must not hide layer 1's b
+        shutil.rmtree(live / "home/user/d")
+        (live / "home/user/d").mkdir()
+        (live / "home/user/d/new").write_text("new\n")
+        (live / "home/user/keep").chmod(0o600)
+        os.link(live / "home/user/keep", live / "home/user/keep-link")
+        (live / "home/user/edit").rename(live / "home/user/moved")
+        (live / "etc/gone").unlink()
+        os.symlink("moved", live / "home/user/link")
+        layer2 = tmp_path / "l2"
+        upper_delta.build(upper, layer2, entries)
+        assert (layer2 / "home/user/keep-link").samefile(layer2 / "home/user/keep")
+
+        overlay_mount(view, [layer2, layer1, lower], None, None)
+        try:
+            assert _tree(view) == _tree(live)
+        finally:
+            overlay_unmount(view)
+    finally:
+        overlay_unmount(live)

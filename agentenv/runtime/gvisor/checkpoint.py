@@ -32,9 +32,11 @@ Why this shape (see docs/SNAPSHOTS.md for the numbers):
 * A snapshot that keeps the sandbox running (:func:`checkpoint_running`) pauses it in the sentry,
   checkpoints with ``--leave-running``, copies its upper into a new layer while nothing runs (so
   memory and disk agree) and resumes it: its processes never stop existing. The upper cannot be
-  sealed by a rename there (the running sandbox writes to it), so this is for small uppers
-  (:meth:`~agentenv.runtime.gvisor.disk.RootDisks.upper_is_small`); a large one takes the
-  stopping path, checkpoint, seal, restore in place, which also leaves the sandbox an empty upper.
+  sealed by a rename there (the running sandbox writes to it): the new layer is what the upper
+  changed since the previous running snapshot (:mod:`~agentenv.runtime.gvisor.upper_delta`), so
+  snapshots stay incremental. That is for small uppers (:func:`can_snapshot_running`); a large
+  one takes the stopping path, checkpoint, seal, restore in place, which also leaves the sandbox
+  an empty upper.
 """
 
 from __future__ import annotations
@@ -219,14 +221,23 @@ async def seal_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
 
 
 async def copy_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
-    """A new layer holding a copy of the (paused) sandbox's upper, which it keeps using; the chain
-    of a snapshot taken now (newest first). The sandbox holds the layer until it is gone, so
-    that a collection never frees it before the snapshot naming it is committed."""
+    """A new layer with what the (paused) sandbox's upper changed since its last running snapshot
+    (all of it after a new mount); returns the chain of a snapshot taken now (newest first). The
+    sandbox holds the layer until it is gone, so that a collection never frees it before the
+    snapshot naming it is committed, and the next running snapshot can stack on it."""
     copy = await asyncio.to_thread(disks.copy_upper, paths)
     async with disks.lock:
-        new_layer = await asyncio.to_thread(disks.layers.adopt, copy)
+        new_layer = await asyncio.to_thread(disks.layers.adopt, copy.path)
         await asyncio.to_thread(disks.hold, paths, new_layer)
-        return [new_layer, *disks.chain(paths)]
+    chain = [new_layer, *copy.base]
+    await asyncio.to_thread(disks.remember_delta, paths, chain, copy.entries)
+    return chain
+
+
+def can_snapshot_running(disks: RootDisks, paths: SandboxPaths) -> bool:
+    """Whether a snapshot can leave the sandbox running: its upper is small enough to copy in the
+    pause, and the layer stacks within :data:`MAX_CHAIN` (else the stopping path seals and squashes)."""
+    return disks.upper_is_small(paths) and len(disks.delta_base(paths)[0]) < MAX_CHAIN
 
 
 # -- restore --------------------------------------------------------------------------------------

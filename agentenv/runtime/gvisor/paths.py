@@ -6,7 +6,8 @@ Per sandbox, under ``{data_dir}/sandboxes/<sandbox_id>/``::
     rootfs/         overlay mount: upper over the snapshot layers over the template rootfs
     layers.json     the snapshot layers (newest first) the root stands on
     held-layers.json  layers copied from the upper for running snapshots (kept while the sandbox is)
-    upper-copy/     the upper being copied for a running snapshot, until it becomes a layer
+    upper-delta.json  the upper's entries and the chain at the last running snapshot
+    upper-copy/     the layer a running snapshot is copying from the upper, until it is adopted
     bundle/         OCI bundle (config.json) handed to runsc
     envd.log        envd's stdout/stderr;  runsc.log: runsc's own log
 """
@@ -53,6 +54,10 @@ class SandboxPaths:
     @property
     def upper_copy(self) -> Path:
         return self.root / "upper-copy"
+
+    @property
+    def upper_delta_file(self) -> Path:
+        return self.root / "upper-delta.json"
 
     @property
     def held_layers_file(self) -> Path:

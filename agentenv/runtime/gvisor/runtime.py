@@ -344,7 +344,7 @@ class GvisorRuntime(Runtime):
         image = dest.path / MEMORY_DIR
         dest.path.mkdir(parents=True, exist_ok=True)
         timings: dict[str, float] = {}
-        if not stop and await asyncio.to_thread(self.disks.upper_is_small, paths):
+        if not stop and await asyncio.to_thread(checkpoint.can_snapshot_running, self.disks, paths):
             await self._snapshot_running(instance, paths, dest)
             return
         t = time.monotonic()

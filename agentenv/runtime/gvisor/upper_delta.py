@@ -49,7 +49,7 @@ def build(upper: Path, dest: Path, before: Entries) -> Entries:
     to the upper meanwhile (the sandbox is paused)."""
     now = scan(upper)
     dest.mkdir()
-    _copy_meta(upper, dest, keep_opaque=not before)
+    _copy_meta(upper, dest, keep_opaque=False)
     copier = _Copier(upper, dest, before)
     for rel in sorted(now):  # a parent sorts before its children
         if now[rel] != before.get(rel):
