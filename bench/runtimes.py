@@ -221,6 +221,7 @@ def run(server_url: str, api_key: str, runs: int) -> dict[str, object]:
             f"runs_{name}": f"{cold} cold creates, {rounds} lifecycle rounds (fork {FORK_COUNT})"
             for name, (cold, rounds) in counts.items()
         },
-        "notes": "gVisor: runsc 2022-12, ptrace platform; QEMU: -M microvm under TCG (no vmx/svm), "
+        "notes": "gVisor: the pinned runsc (scripts/bootstrap.sh), its measured platform; "
+        "QEMU: -M microvm under TCG (no vmx/svm), "
         "512 MiB guest; both servers with template snapshots and warm pools off",
     }

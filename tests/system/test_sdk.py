@@ -41,8 +41,8 @@ def test_run_stdout_stderr_exit_code(sbx: Sandbox) -> None:
 
 
 def test_coreutils_ls_and_stat_work(sbx: Sandbox) -> None:
-    """coreutils pass AT_NO_AUTOMOUNT to statx, which runsc 2022-12 rejects (EINVAL) unless the
-    sandbox's statx wrapper drops it."""
+    """coreutils pass AT_NO_AUTOMOUNT to statx, which runsc 2022-12 rejected (EINVAL); the pinned
+    2024 build answers it (a regression test for going back)."""
     sbx.files.write("/home/user/listed.txt", "x")
     result = sbx.commands.run("ls -la /home/user/ && stat -c '%s %U' /home/user/listed.txt && ls /tmp")
     assert "listed.txt" in result.stdout
