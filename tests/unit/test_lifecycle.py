@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -76,21 +78,29 @@ async def test_a_committed_undo_undoes_nothing() -> None:
     assert done == []
 
 
+@contextlib.asynccontextmanager
+async def loopback_node(
+    tmp_path: Path, runtime_options: dict[str, bool] | None = None, **settings: Any
+) -> AsyncIterator[tuple[Orchestrator, LoopbackRuntime]]:
+    """A started orchestrator on the loopback runtime in ``tmp_path`` (no template snapshots, no
+    warm pool unless ``settings`` say so), closed afterwards."""
+    write_template(tmp_path / "templates")
+    options: dict[str, Any] = {"template_snapshots": False, "warm_pool_high": 0, **settings}
+    config = Settings(data_dir=tmp_path / "data", templates_path=tmp_path / "templates", **options)
+    runtime = LoopbackRuntime(config, **(runtime_options or {}))
+    orch = build_orchestrator(config, runtime)
+    await orch.start()
+    try:
+        yield orch, runtime
+    finally:
+        await orch.close()
+        await runtime.close()
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def orchestrator(tmp_path: Path) -> AsyncIterator[tuple[Orchestrator, LoopbackRuntime]]:
-    write_template(tmp_path / "templates")
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        templates_path=tmp_path / "templates",
-        template_snapshots=False,
-        warm_pool_high=0,
-    )
-    runtime = LoopbackRuntime(settings)
-    orch = build_orchestrator(settings, runtime)
-    await orch.start()
-    yield orch, runtime
-    await orch.close()
-    await runtime.close()
+    async with loopback_node(tmp_path) as node:
+        yield node
 
 
 def request(template_id: str = "base") -> CreateRequest:
@@ -141,26 +151,13 @@ async def test_an_illegal_edge_is_refused(orchestrator: tuple[Orchestrator, Loop
 
 
 async def test_a_failed_create_is_undone(tmp_path: Path) -> None:
-    write_template(tmp_path / "templates")
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        templates_path=tmp_path / "templates",
-        template_snapshots=False,
-        warm_pool_high=0,
-    )
-    runtime = LoopbackRuntime(settings, fail_create=True)
-    orch = build_orchestrator(settings, runtime)
-    await orch.start()
-    try:
+    async with loopback_node(tmp_path, runtime_options=dict(fail_create=True)) as (orch, runtime):
         with pytest.raises(Failed, match="sandbox creation failed: injected create failure"):
             await orch.create(request())
         assert not runtime.servers  # the half-made instance was killed
         [rec] = await orch.store.in_states((SandboxState.KILLED,))
         messages = [ln.message for ln in await orch.store.logs(rec.sandbox_id, start=None, limit=10)]
         assert any("sandbox creation failed" in m for m in messages)
-    finally:
-        await orch.close()
-        await runtime.close()
 
 
 async def test_an_unknown_template_is_not_found(orchestrator: tuple[Orchestrator, LoopbackRuntime]) -> None:
@@ -242,18 +239,10 @@ async def test_fork_children_are_independent_and_their_timeout_starts_when_hande
 
 
 async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_path: Path) -> None:
-    write_template(tmp_path / "templates")
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        templates_path=tmp_path / "templates",
-        template_snapshots=False,
-        warm_pool_high=0,
-        pause_disk_after_seconds=3600,
-    )
-    runtime = LoopbackRuntime(settings, freezes=True)
-    orch = build_orchestrator(settings, runtime)
-    await orch.start()
-    try:
+    async with loopback_node(tmp_path, runtime_options=dict(freezes=True), pause_disk_after_seconds=3600) as (
+        orch,
+        runtime,
+    ):
         rec = await orch.create(request())
         await orch.pause(rec.sandbox_id)
         frozen = await orch.get(rec.sandbox_id)
@@ -281,24 +270,13 @@ async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_pa
         assert 'agentenv_lifecycle_seconds_count{detail="disk",operation="resume"} 1.0' in metrics
         assert 'agentenv_sandboxes{state="running",tier=""} 1.0' in metrics
         await orch.kill(rec.sandbox_id)
-    finally:
-        await orch.close()
-        await runtime.close()
 
 
 async def test_frozen_sandboxes_past_the_idle_period_move_to_disk(tmp_path: Path) -> None:
-    write_template(tmp_path / "templates")
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        templates_path=tmp_path / "templates",
-        template_snapshots=False,
-        warm_pool_high=0,
-        pause_disk_after_seconds=0.5,
-    )
-    runtime = LoopbackRuntime(settings, freezes=True)
-    orch = build_orchestrator(settings, runtime)
-    await orch.start()
-    try:
+    async with loopback_node(tmp_path, runtime_options=dict(freezes=True), pause_disk_after_seconds=0.5) as (
+        orch,
+        _,
+    ):
         rec = await orch.create(request())
         await orch.pause(rec.sandbox_id)
         for _ in range(100):  # the reaper's policy runs every half second
@@ -308,24 +286,10 @@ async def test_frozen_sandboxes_past_the_idle_period_move_to_disk(tmp_path: Path
         assert (await orch.get(rec.sandbox_id)).pause_tier == "disk"
         await orch.kill(rec.sandbox_id)
         assert await orch.catalog.rows("pause") == []  # a killed sandbox's pause snapshot goes too
-    finally:
-        await orch.close()
-        await runtime.close()
 
 
 async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_path: Path) -> None:
-    write_template(tmp_path / "templates")
-    settings = Settings(
-        data_dir=tmp_path / "data",
-        templates_path=tmp_path / "templates",
-        template_snapshots=False,
-        warm_pool_high=0,
-        snapshot_standbys=2,
-    )
-    runtime = LoopbackRuntime(settings)
-    orch = build_orchestrator(settings, runtime)
-    await orch.start()
-    try:
+    async with loopback_node(tmp_path, snapshot_standbys=2) as (orch, runtime):
         source = await orch.create(request())
         snap = await orch.create_snapshot(source.sandbox_id, "task-start")
         first = await orch.create(request(snap.snapshot_id))
@@ -352,7 +316,4 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
         assert orch.standbys.pool.ready(snap.snapshot_id) == 0  # its standbys went with it
         for rec in (source, first, second, third):
             await orch.kill(rec.sandbox_id)
-    finally:
-        await orch.close()
-        await runtime.close()
     assert not runtime.servers  # nothing left running, standbys included
