@@ -174,14 +174,21 @@ class _Connection:
         self.writer = writer
         self.http = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
+        self._unsent = b""
 
     def reusable(self) -> bool:
         """Not closed by the sandbox while idle (EOF arrives without a pending read) nor stale."""
         fresh = time.monotonic() - self.idle_since < _IDLE_EXPIRY_S
         return fresh and not self.reader.at_eof() and not self.writer.is_closing()
 
+    def hold(self, event: h11.Event) -> None:
+        """Send ``event`` with the next one: a request head goes out in one segment with the
+        start of its body (one read for the sandbox's server, not two)."""
+        self._unsent += self.http.send(event) or b""
+
     async def send(self, event: h11.Event) -> None:
-        data = self.http.send(event)
+        data = self._unsent + (self.http.send(event) or b"")
+        self._unsent = b""
         if data:
             self.writer.write(data)
             await self.writer.drain()
@@ -422,7 +429,7 @@ class SandboxProxy:
         """Send the request (streaming its body) and read the response head."""
         conn = await self._upstream.connect(route.address, port)
         try:
-            await conn.send(request)
+            conn.hold(request)
             if body is not None:
                 with contextlib.suppress(OSError):  # the sandbox answered before reading it all
                     async for chunk in body:

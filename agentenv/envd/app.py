@@ -102,9 +102,10 @@ async def init(request: Request) -> Response:
 
 
 def prepare_logins(logins: LoginEnvironments, state: EnvdState) -> None:
-    """``/init`` follows every create, restore, resume and fork: no captured login from before it
-    is used; the one its commands will most likely need is captured now, in the background."""
-    logins.reset()
+    """At start-up and on ``/init`` (every create, restore, resume and fork): captured logins
+    stand only if nothing they read changed meanwhile; the one the default user's commands need
+    is captured now, in the background (at start-up: before a template snapshot is taken)."""
+    logins.revalidate()
     try:
         user = state.user(None)
     except Unauthenticated:
@@ -149,6 +150,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         reaper = asyncio.create_task(reap_orphans_forever(spawner.live_pids))
+        prepare_logins(logins, state)
         try:
             yield
         finally:

@@ -17,8 +17,10 @@ and the key is not served from the cache (its commands run ``bash -l`` as before
 
 Kept current. The capture runs with xtrace: every path the profile sourced, tested or expanded,
 and bash's own startup files, is watched (inotify, by name in the busy directories, whole for the
-ones the profile enumerated); a change drops every capture. ``/init`` drops them too (it follows
-every restore, resume and fork: time moved on), then captures the default user's again.
+ones the profile enumerated); a change drops every capture. ``/init`` follows every restore,
+resume and fork: it watches anew and compares a stat signature of each of those paths with the
+one taken after the captures, so a disk that changed behind envd's back drops them too. The
+default user's login is captured when envd starts, so a template snapshot already holds it.
 
 What it cannot keep (docs/LATENCY.md): side effects of the profile other than output and
 processes (a file it writes) happen once per capture instead of once per command; bash's command
@@ -39,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agentenv.envd.inotify import DirectoryWatcher, WatchEvent
-from agentenv.envd.processes import read_chunk
+from agentenv.envd.processes import child_pipe, close_all, read_chunk
 from agentenv.envd.proto.process_pb import ProcessConfig
 from agentenv.envd.reaper import session_members
 from agentenv.envd.spawn import Spawner, Stdio, identity_for
@@ -82,8 +84,6 @@ _OUTPUT_LIMIT = 4 * 1024 * 1024
 _MAX_PATHS = 512
 _MAX_WATCHED_DIRS = 64
 _MAX_ENTRIES = 16
-#: A command waits this long for a capture already under way before running ``bash -l`` itself.
-_CLAIM_WAIT_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,8 @@ class _Watches:
         self._watchers: dict[str, DirectoryWatcher] = {}
         #: a watched directory went away or could not be watched: start over at the next add
         self._stale = False
+        #: path -> stat signature, taken after the last capture (see unchanged)
+        self._signatures: dict[str, tuple[int, ...] | None] = {}
 
     def add(self, paths: Iterable[str], enumerated: Iterable[str]) -> bool:
         """Watch ``paths`` (by name) and the directories ``enumerated`` (whole); True when a
@@ -205,10 +207,39 @@ class _Watches:
         for directory in list(self.relevant):
             self._watch(directory)
 
+    def sign(self) -> None:
+        """Remember how every watched path looks now (a capture just ended under the watches)."""
+        self._signatures = self._current_signatures()
+
+    def unchanged(self) -> bool:
+        """Whether every signed path still looks as it did: also changes no inotify saw (a
+        restore onto a different disk, a mount). Paths of a capture still under way are not
+        signed yet; it signs them when it ends."""
+        current = {path: _signature(path) for path in self._signatures}
+        return not self._stale and current == self._signatures
+
+    def _current_signatures(self) -> dict[str, tuple[int, ...] | None]:
+        paths: list[str] = []
+        for directory, names in self.relevant.items():
+            paths.append(directory)
+            if names is None:
+                with contextlib.suppress(OSError):
+                    names = set(os.listdir(directory))
+            paths.extend(os.path.join(directory, name) for name in names or ())
+        return {path: _signature(path) for path in paths}
+
     def close(self) -> None:
         for watcher in self._watchers.values():
             watcher.close()
         self._watchers.clear()
+
+
+def _signature(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _existing_parent(path: str, whole: bool) -> tuple[str, str | None]:
@@ -234,8 +265,9 @@ class LoginEnvironments:
         self._seen: OrderedDict[LoginKey, None] = OrderedDict()
         self._watches = _Watches(self._invalidate)
 
-    async def lookup(self, key: LoginKey) -> LoginEnv | None:
-        """The key's captured login, or None: run ``bash -l``. A key's second command starts
+    def lookup(self, key: LoginKey) -> LoginEnv | None:
+        """The key's captured login, or None: run ``bash -l``. Never waits for a capture under
+        way (a login of its own is quicker than the rest of one). A key's second command starts
         its capture (one-off environments are never captured)."""
         task = self._entries.get(key)
         if task is None:
@@ -245,19 +277,18 @@ class LoginEnvironments:
                 _remember(self._seen, key)
             return None
         self._entries.move_to_end(key)
-        if not task.done():
-            # Not cancelled by anyone but the server's shutdown, which ends this request too.
-            await asyncio.wait({task}, timeout=_CLAIM_WAIT_S)
         return task.result() if task.done() and not task.cancelled() else None
 
     def prewarm(self, key: LoginKey) -> None:
         if key not in self._entries:
             self._capture(key)
 
-    def reset(self) -> None:
-        """Forget every capture and rewatch (``/init``: after a restore, resume or fork)."""
-        self._invalidate()
+    def revalidate(self) -> None:
+        """``/init``, after a restore, resume or fork: watch anew, and forget every capture if
+        anything they depend on changed meanwhile."""
         self._watches.rebuild()
+        if not self._watches.unchanged():
+            self._invalidate()
 
     def close(self) -> None:
         self._invalidate()
@@ -300,9 +331,10 @@ class LoginEnvironments:
                 break
         else:
             return None
-        if self._watches.incomplete():
+        if self._watches.incomplete() or not await self._verified(key, login_env, state):
             return None
-        return login_env if await self._verified(key, login_env, state) else None
+        self._watches.sign()
+        return login_env
 
     async def _login(self, key: LoginKey) -> tuple[LoginEnv, bytes, set[str], set[str]] | None:
         """The traced login: how to start its commands, its state dump, what it read."""
@@ -341,23 +373,18 @@ class LoginEnvironments:
         process behind (killed then)."""
         ours: list[int] = []
         theirs: list[int] = []
-        for _ in range(2):
-            read_end, write_end = os.pipe()
-            os.set_blocking(read_end, False)
-            ours.append(read_end)
-            theirs.append(write_end)
         user = identity_for(key.user.uid, key.user.gid, key.groups)
         try:
             try:
-                stdio = Stdio(subprocess.DEVNULL, theirs[0], theirs[1], keep=keep)
+                stdio = Stdio(
+                    subprocess.DEVNULL, child_pipe(ours, theirs), child_pipe(ours, theirs), keep=keep
+                )
                 popen = await self._spawner.start(argv, cwd=cwd, env=env, user=user, stdio=stdio)
             finally:
-                for fd in theirs:
-                    os.close(fd)
+                close_all(theirs)
             return await self._finish(popen, ours)
         finally:
-            for fd in ours:
-                os.close(fd)
+            close_all(ours)
 
     async def _finish(self, popen: subprocess.Popen[bytes], fds: list[int]) -> _Run:
         exited = self._spawner.wait(popen)

@@ -82,7 +82,7 @@ class ProcessService:
         argv = None
         script = login_script(config, stdin=stdin, pty=pty_size is not None)
         if script is not None:  # `bash -l -c`: start it in the captured login if there is one
-            login = await self._logins.lookup(LoginKey.of(user, cwd, env))
+            login = self._logins.lookup(LoginKey.of(user, cwd, env))
             if login is not None:
                 argv, cwd, env = login.argv(script), login.cwd, login.env
         managed = await self._table.start(

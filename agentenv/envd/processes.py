@@ -334,18 +334,18 @@ class _Launch:
         theirs: list[int] = []
         try:
             stdio = Stdio(
-                stdin=_pipe_to_child(ours, theirs) if stdin else subprocess.DEVNULL,
-                stdout=_pipe_from_child(ours, theirs),
-                stderr=_pipe_from_child(ours, theirs),
+                stdin=child_pipe(ours, theirs, child_reads=True) if stdin else subprocess.DEVNULL,
+                stdout=child_pipe(ours, theirs),
+                stderr=child_pipe(ours, theirs),
             )
             popen = await self.spawner.start(
                 self.argv, cwd=self.cwd, env=self.env, user=self.user, stdio=stdio
             )
         except BaseException:
-            _close_all(ours)
+            close_all(ours)
             raise
         finally:
-            _close_all(theirs)
+            close_all(theirs)
         stdin_fd = ours.pop(0) if stdin else None
         out_fd, err_fd = ours
         return ManagedProcess(
@@ -385,23 +385,18 @@ class _Launch:
         )
 
 
-def _pipe_from_child(ours: list[int], theirs: list[int]) -> int:
+def child_pipe(ours: list[int], theirs: list[int], *, child_reads: bool = False) -> int:
+    """A pipe between envd and a child to be: envd's end (non-blocking) goes to ``ours``, the
+    child's to ``theirs`` (closed once it started) and is returned, for its Stdio."""
     read_end, write_end = os.pipe()
-    os.set_blocking(read_end, False)
-    ours.append(read_end)
-    theirs.append(write_end)
-    return write_end
+    mine, childs = (write_end, read_end) if child_reads else (read_end, write_end)
+    os.set_blocking(mine, False)
+    ours.append(mine)
+    theirs.append(childs)
+    return childs
 
 
-def _pipe_to_child(ours: list[int], theirs: list[int]) -> int:
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    ours.append(write_end)
-    theirs.append(read_end)
-    return read_end
-
-
-def _close_all(fds: list[int]) -> None:
+def close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 import pwd
 from dataclasses import dataclass
@@ -25,12 +26,14 @@ class User:
     home: str
     shell: str
 
-    @property
-    def groups(self) -> list[int]:
+    @functools.cached_property
+    def groups(self) -> tuple[int, ...]:
+        """Read once per lookup (each request looks its user up anew): getgrouplist parses
+        /etc/group, which every command needs two or three times."""
         try:
-            return os.getgrouplist(self.name, self.gid)
+            return tuple(os.getgrouplist(self.name, self.gid))
         except OSError:
-            return [self.gid]
+            return (self.gid,)
 
 
 def lookup_user(name: str) -> User:

@@ -975,6 +975,20 @@ def test_large_transfers_are_not_held_in_memory(workdir: str) -> None:
         assert "Traceback" not in _stop_envd(server)
 
 
+def _envd_in_mount_namespace(binds: dict[Path, str], log: Path) -> Envd:
+    """envd in a private mount namespace of its own, with ``binds`` (host file -> path) mounted
+    over the host's files: another /etc/passwd, profile, ... without touching the host."""
+    port = _free_port()
+    mounts = [f"mount --bind {source} {target}" for source, target in binds.items()]
+    script = " && ".join([*mounts, f"exec {sys.executable} -m agentenv.envd --host 127.0.0.1 --port {port}"])
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
+
+
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
 def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
     """Like an E2B template: a ``user`` account exists, so it is the default (private mount ns)."""
@@ -984,18 +998,7 @@ def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
     passwd, group = tmp_path / "passwd", tmp_path / "group"
     passwd.write_text(Path("/etc/passwd").read_text() + f"user:x:61000:61000::{home}:/bin/bash\n")
     group.write_text(Path("/etc/group").read_text() + "user:x:61000:\n")
-    port = _free_port()
-    log = tmp_path / "envd.log"
-    script = (
-        f"mount --bind {passwd} /etc/passwd && mount --bind {group} /etc/group && "
-        f"exec {sys.executable} -m agentenv.envd --host 127.0.0.1 --port {port}"
-    )
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
+    server = _envd_in_mount_namespace({passwd: "/etc/passwd", group: "/etc/group"}, tmp_path / "envd.log")
     try:
         _wait_for(lambda: _healthy(server.url), timeout=20)
         sbx = server.sandbox()
@@ -1314,18 +1317,8 @@ def login_envd() -> Iterator[LoginEnvd]:
         Path("/etc/passwd").read_text() + f"loginuser:x:{LOGIN_UID}:{LOGIN_UID}::{home}:/bin/bash\n"
     )
     (root / "group").write_text(Path("/etc/group").read_text() + f"loginuser:x:{LOGIN_UID}:\n")
-    port = _free_port()
-    binds = {"passwd": "/etc/passwd", "group": "/etc/group", "profile": "/etc/profile"}
-    script = " && ".join(f"mount --bind {root / src} {dst}" for src, dst in binds.items())
-    script += f" && mkdir -p /etc/profile.d && mount --bind {root / 'profile.d'} /etc/profile.d"
-    script += f" && exec {sys.executable} -m agentenv.envd --host 127.0.0.1 --port {port} --log-level info"
-    log = root / "envd.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
+    binds = {root / name: f"/etc/{name}" for name in ("passwd", "group", "profile", "profile.d")}
+    server = _envd_in_mount_namespace(binds, root / "envd.log")
     try:
         _wait_for(lambda: _healthy(server.url), timeout=20)
         resp = httpx.post(
@@ -1452,10 +1445,14 @@ def test_profile_with_output_or_state_is_not_captured(login_envd: LoginEnvd) -> 
     assert login_envd.uses_captured_login()
 
 
-def test_init_drops_captured_logins(login_envd: LoginEnvd) -> None:
-    """/init follows every restore, resume and fork: a login captured before it is not used
-    after it, even when the file system changed without envd seeing it (a restored disk)."""
+def test_init_keeps_captured_logins_only_while_nothing_changed(login_envd: LoginEnvd) -> None:
+    """/init follows every restore, resume and fork: a login captured before it is used after it
+    (a template snapshot's), unless what it read changed, even without envd seeing the change
+    (a restored disk, here a mount behind envd's back)."""
     assert login_envd.uses_captured_login()
+    resp = httpx.post(f"{login_envd.envd.url}/init", json={"defaultUser": "loginuser"})
+    assert resp.status_code == 204
+    assert "--noprofile" in login_envd.run("line=$(tr '\\0' ' ' < /proc/$$/cmdline); echo \"$line\"")
     replacement = login_envd.root / "replacement-profile"
     replacement.write_text(HOME_PROFILE + "export RESTORED=1\n")
     os.chown(replacement, LOGIN_UID, LOGIN_UID)
