@@ -53,6 +53,40 @@ class FirecrackerSettings(BaseModel):
         return self.pvm_binary if self.pvm else self.firecracker_path
 
 
+class S3Settings(BaseModel):
+    """The snapshot and template store (``AGENTENV_S3__*``). Neither ``bucket`` nor ``directory``
+    set (the default): snapshots live on this node's disk only, durable once committed there."""
+
+    #: Bucket on any S3-compatible service; with ``endpoint_url`` for anything but AWS.
+    bucket: str = ""
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    #: Credentials; None: boto3's own chain (environment, ~/.aws, instance role).
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    #: Key prefix inside the bucket (several clusters may share one).
+    prefix: str = "agentenv/"
+    #: Instead of a bucket: a directory with the same layout (a distributed file system mount).
+    directory: Path | None = None
+    #: Cap on this node's copies of durable snapshots (memory images and disk layers), LRU
+    #: evicted past it; what a running or paused sandbox stands on is never evicted. 0: no cap.
+    cache_max_mib: int = 20480
+    #: Size of the content-addressed chunks files and layer archives are cut into.
+    chunk_mib: int = 8
+    #: Chunks transferred at once.
+    concurrency: int = 8
+    #: Also store template root file systems (once per template build) so that a node without
+    #: the template can restore its snapshots.
+    upload_templates: bool = True
+    #: A chunk nothing names is deleted only once it is this old: an upload running elsewhere
+    #: may be about to name it (uploads refresh the chunks they reuse).
+    gc_grace_seconds: float = 600.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.bucket) or self.directory is not None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AGENTENV_", env_nested_delimiter="__")
 
@@ -67,6 +101,7 @@ class Settings(BaseSettings):
     gvisor: GvisorSettings = GvisorSettings()
     qemu: QemuSettings = QemuSettings()
     firecracker: FirecrackerSettings = FirecrackerSettings()
+    s3: S3Settings = S3Settings()
     #: Domain used for ``{port}-{sandbox_id}.{domain}`` Host routing.
     domain: str = "localhost"
     #: Subnet sandboxes get their /30 links from (host side .1, sandbox side .2).

@@ -58,12 +58,24 @@ class TemplateImage:
 
 
 @dataclass(frozen=True)
+class EgressPolicy:
+    """A sandbox's outbound rules beyond its defaults (E2B's ``network.allowOut``/``denyOut``):
+    normalised IPv4 networks (``a.b.c.d/n``). ``allow_out`` beats ``deny_out``, the defaults
+    (private ranges denied) and a closed internet; nothing opens the host or other sandboxes."""
+
+    allow_out: tuple[str, ...] = ()
+    deny_out: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     sandbox_id: str
     template: TemplateImage
     #: Environment variables for every process envd starts (merged under per-process envs).
     envs: dict[str, str] = field(default_factory=dict)
     allow_internet_access: bool = True
+    #: Outbound rules beyond the defaults (None: the defaults only).
+    egress: EgressPolicy | None = None
     #: Token envd requires in ``X-Access-Token`` (None: no token, the E2B default for non-secure sandboxes).
     envd_access_token: str | None = None
 

@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
-  erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils gcc libc6-dev)
+  erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils gcc libc6-dev
+  skopeo umoci)
 
 SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
 die() { echo "bootstrap: $*" >&2; exit 1; }
@@ -44,6 +45,10 @@ install_runsc
 
 need=()
 want=("${APT_PACKAGES[@]}")
+# The template-build tests serve an OCI registry of their own on loopback.
+[[ "${1:-}" != "--test" ]] || want+=(docker-registry)
+# The console tests drive Debian's headless chromium through its chromedriver (nothing downloaded).
+[[ "${1:-}" != "--test" ]] || want+=(chromium chromium-driver fonts-liberation)
 # nodejs/npm may already come from elsewhere on the machine (not dpkg): never fight an existing node.
 if [[ "${1:-}" == "--test" ]] && ! { command -v node && command -v npm; } >/dev/null; then
   want+=(nodejs npm)

@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from agentenv.api import routes_lifecycle, routes_sandboxes, routes_templates
+from agentenv.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
+from agentenv.api.console import install as install_console
 from agentenv.api.errors import install_error_handlers
 from agentenv.api.proxy import SandboxProxy
 from agentenv.config import Settings
@@ -39,8 +40,15 @@ class Hub:
         if self.runtime is None:
             self.runtime, _ = select_runtime(self.settings)
         self._orchestrator = build_orchestrator(self.settings, self.runtime)
+        # Dependencies point down: the API asks to hear when a sandbox leaves running, and its
+        # proxy then ends the streams it has open to it.
+        self._orchestrator.add_detach_listener(self._sandbox_left)
         await self._orchestrator.start()
         return self._orchestrator
+
+    def _sandbox_left(self, sandbox_id: str) -> None:
+        if self.proxy is not None:
+            self.proxy.sandbox_left(sandbox_id)
 
     async def stop(self) -> None:
         if self.proxy is not None:
@@ -80,8 +88,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         return Response(status_code=204)
 
     app.include_router(routes_sandboxes.router)
-    app.include_router(routes_lifecycle.router)
+    app.include_router(routes_network.router)
+    # Before the lifecycle's routes: its DELETE /templates/{id} (snapshots) would take
+    # DELETE /templates/tags; the templates router's delete hands snapshots to it.
     app.include_router(routes_templates.router)
+    app.include_router(routes_lifecycle.router)
+    install_console(app)  # /console and /node: our extensions (agentenv/api/console)
 
     def make_proxy(inner: Any) -> SandboxProxy:
         hub.proxy = SandboxProxy(inner, settings, lambda: hub.orchestrator)

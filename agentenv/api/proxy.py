@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 
 from agentenv.config import Settings
+from agentenv.envd.signature import expected_signature
 from agentenv.orchestrator.ids import SANDBOX_ID_LOOSE_RE, normalise_sandbox_id
 from agentenv.orchestrator.lifecycle import Orchestrator, Route
 from agentenv.types import ENVD_PORT
@@ -142,6 +145,14 @@ def forward_headers(scope: Scope, target: Target) -> list[tuple[str, str]]:
     return out
 
 
+def upstream_host(route: Route, port: int) -> str:
+    """The Host the sandbox sees: its ``network.maskRequestHost`` with ``${PORT}`` expanded
+    (E2B's), else its own address."""
+    if route.mask_request_host:
+        return route.mask_request_host.replace("${PORT}", str(port))
+    return f"{route.address}:{port}"
+
+
 def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k.lower(), v) for k, v in raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
 
@@ -209,12 +220,23 @@ class _Connection:
 
 
 class _Upstream:
-    """Keep-alive connections to sandboxes, by (address, port)."""
+    """Keep-alive connections to sandboxes, by (address, port), and the ones in use, by
+    sandbox: when a sandbox stops (kill, pause, death) :meth:`close_sandbox` ends every exchange
+    with it at once instead of leaving clients to their read timeouts."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._busy: dict[str, set[_Connection]] = {}
+        #: The address each sandbox with busy connections was reached at.
+        self._hosts: dict[str, str] = {}
 
-    async def connect(self, host: str, port: int) -> _Connection:
+    async def connect(self, host: str, port: int, sandbox_id: str) -> _Connection:
+        conn = await self._open(host, port)
+        self._busy.setdefault(sandbox_id, set()).add(conn)
+        self._hosts[sandbox_id] = host
+        return conn
+
+    async def _open(self, host: str, port: int) -> _Connection:
         idle = self._idle.get((host, port), [])
         while idle:
             conn = idle.pop()
@@ -226,6 +248,29 @@ class _Upstream:
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"connecting to {host}:{port}: {exc!r}") from exc
         return _Connection(reader, writer)
+
+    def discard(self, sandbox_id: str, conn: _Connection) -> None:
+        """``conn`` is no longer in use (closed or back in the pool)."""
+        busy = self._busy.get(sandbox_id)
+        if busy is not None:
+            busy.discard(conn)
+            if not busy:
+                del self._busy[sandbox_id]
+                self._hosts.pop(sandbox_id, None)
+
+    def close_sandbox(self, sandbox_id: str) -> int:
+        """Close every connection to the sandbox, in use or idle; returns how many were in use.
+        A reader blocked on one sees EOF now, so its exchange ends (502, or a cut body)."""
+        host = self._hosts.pop(sandbox_id, None)
+        busy = self._busy.pop(sandbox_id, set())
+        for conn in busy:
+            conn.close()
+        for (idle_host, _), idle in self._idle.items():
+            if idle_host == host:
+                for conn in idle:
+                    conn.close()
+                idle.clear()
+        return len(busy)
 
     def release(self, host: str, port: int, conn: _Connection) -> None:
         """Back to the pool when the exchange completed on both sides, else closed."""
@@ -255,6 +300,7 @@ class _UpstreamResponse:
         self.status_code = head.status_code
         self.headers: list[tuple[bytes, bytes]] = list(head.headers)
         self._release = lambda: upstream.release(route.address, port, conn)
+        self._discard = lambda: upstream.discard(route.sandbox_id, conn)
         self._conn = conn
         self._done = False
 
@@ -270,6 +316,7 @@ class _UpstreamResponse:
                 raise UpstreamError("the sandbox closed the connection mid-response")
 
     async def aclose(self) -> None:
+        self._discard()
         if self._done:
             self._release()
         else:
@@ -327,13 +374,27 @@ class SandboxProxy:
         self.settings = settings
         self._orchestrator = orchestrator
         self._upstream = _Upstream()
+        #: Open WebSocket relays, by sandbox (ended like HTTP exchanges by :meth:`sandbox_left`).
+        self._sockets: dict[str, set[ClientConnection]] = {}
 
     async def aclose(self) -> None:
         self._upstream.close()
 
+    def sandbox_left(self, sandbox_id: str) -> None:
+        """The sandbox stopped being reachable (the orchestrator's detach listener): end every
+        stream with it now (commands, PTYs, watches), as E2B's do when a sandbox is killed."""
+        ended = self._upstream.close_sandbox(sandbox_id)
+        for socket in self._sockets.pop(sandbox_id, set()):
+            socket.transport.abort()  # a closing handshake would wait for the dead peer
+            ended += 1
+        if ended:
+            log.info("ended %d open streams to sandbox %s", ended, sandbox_id)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
             target = find_target(scope, self.settings.domain)
+            if target is None and scope["type"] == "http" and scope.get("path") == "/files":
+                target = self._signed_target(scope)
             if target is not None:
                 if scope["type"] == "http":
                     await self._http(scope, receive, send, target)
@@ -341,6 +402,27 @@ class SandboxProxy:
                     await self._websocket(scope, receive, send, target)
                 return
         await self.app(scope, receive, send)
+
+    def _signed_target(self, scope: Scope) -> Target | None:
+        """envd of the sandbox whose token signs this ``/files`` URL. With ``E2B_SANDBOX_URL``
+        the SDKs' ``download_url``/``upload_url`` are ``{E2B_SANDBOX_URL}/files?...&signature=``:
+        no routing header, no sandbox host name (a browser or curl sends nothing else). envd
+        checks the signature (and its expiry, with E2B's message) again; None: not signed."""
+        params = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        signature = (params.get("signature") or [""])[0]
+        if not signature:
+            return None
+        raw_expiration = (params.get("signature_expiration") or [""])[0]
+        expiration = int(raw_expiration) if raw_expiration.isdigit() else None
+        operation = "read" if scope.get("method") == "GET" else "write"
+        path, user = (params.get("path") or [""])[0], (params.get("username") or [""])[0]
+        for route in self._orchestrator().routes():
+            token = route.envd_access_token
+            if token and hmac.compare_digest(
+                signature, expected_signature(path, operation, user, token, expiration)
+            ):
+                return Target(sandbox_id=route.sandbox_id, port=ENVD_PORT)
+        return None
 
     # -- shared checks -------------------------------------------------------------------------
 
@@ -395,7 +477,7 @@ class SandboxProxy:
             await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
             return
         has_body = bool(length and length != "0") or _header(scope, b"transfer-encoding") is not None
-        headers = [("host", f"{route.address}:{target.port}"), *forward_headers(scope, target)]
+        headers = [("host", upstream_host(route, target.port)), *forward_headers(scope, target)]
         if has_body and not length:
             headers.append(("transfer-encoding", "chunked"))
         request = h11.Request(method=scope["method"], target=self._target(scope), headers=headers)
@@ -427,7 +509,7 @@ class SandboxProxy:
         self, route: Route, port: int, request: h11.Request, body: AsyncIterator[bytes] | None
     ) -> _UpstreamResponse:
         """Send the request (streaming its body) and read the response head."""
-        conn = await self._upstream.connect(route.address, port)
+        conn = await self._upstream.connect(route.address, port, route.sandbox_id)
         try:
             conn.hold(request)
             if body is not None:
@@ -444,6 +526,7 @@ class SandboxProxy:
                 if not isinstance(event, h11.InformationalResponse):  # 1xx: the answer follows
                     raise UpstreamError("the sandbox closed the connection without answering")
         except BaseException:
+            self._upstream.discard(route.sandbox_id, conn)
             conn.close()
             raise
 
@@ -531,7 +614,14 @@ class SandboxProxy:
             )
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-        await _relay_websocket(receive, send, upstream)
+        sockets = self._sockets.setdefault(route.sandbox_id, set())
+        sockets.add(upstream)
+        try:
+            await _relay_websocket(receive, send, upstream)
+        finally:
+            sockets.discard(upstream)
+            if not sockets and self._sockets.get(route.sandbox_id) is sockets:
+                del self._sockets[route.sandbox_id]
 
 
 async def _relay_websocket(receive: Receive, send: Send, upstream: ClientConnection) -> None:

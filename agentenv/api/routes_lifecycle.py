@@ -1,4 +1,5 @@
-"""Pause, resume, snapshots and fork (openapi.yml): the E2B lifecycle endpoints.
+"""Pause, resume, snapshots and fork (openapi.yml): the E2B lifecycle endpoints; rollback in
+place is our extension (README, "API extensions").
 
 A create from a snapshot is an ordinary ``POST /sandboxes`` whose ``templateID`` names the
 snapshot (routes_sandboxes); the orchestrator tells templates and snapshots apart.
@@ -42,8 +43,24 @@ class SandboxForkRequest(_Request):
     count: int = Field(1, ge=1)
 
 
+class SandboxRollbackRequest(_Request):
+    """Our extension (E2B has no rollback): the user snapshot to put the sandbox back to."""
+
+    snapshot_id: str = Field(alias="snapshotID", min_length=1, max_length=128)
+
+
 def snapshot_info(row: SnapshotRow) -> dict[str, object]:
     return {"snapshotID": row.snapshot_id, "names": [row.name or row.snapshot_id]}
+
+
+async def snapshot_body(orch: Orch, row: SnapshotRow) -> dict[str, object]:
+    """E2B's snapshot info plus our ``storage`` (README, "API extensions"): whether the snapshot
+    store holds it (``durable``), whether this node has its copy (``cached``), its upload time."""
+    body = snapshot_info(row)
+    storage = await orch.catalog.storage_info(row.snapshot_id)
+    if storage is not None:
+        body["storage"] = storage
+    return body
 
 
 # -- pause / resume ----------------------------------------------------------------------------
@@ -51,7 +68,8 @@ def snapshot_info(row: SnapshotRow) -> dict[str, object]:
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(sandbox_id: str, orch: Orch, body: SandboxPauseRequest | None = None) -> Response:
-    await orch.pause(normalise_sandbox_id(sandbox_id))
+    # memory=false: E2B's filesystem-only pause (processes end, files stay; a resume reboots).
+    await orch.pause(normalise_sandbox_id(sandbox_id), memory=body.memory if body else True)
     return Response(status_code=204)
 
 
@@ -72,7 +90,7 @@ async def create_snapshot(
     sandbox_id: str, orch: Orch, body: SandboxSnapshotRequest | None = None
 ) -> JSONResponse:
     row = await orch.create_snapshot(normalise_sandbox_id(sandbox_id), body.name if body else None)
-    return JSONResponse(snapshot_info(row), status_code=201)
+    return JSONResponse(await snapshot_body(orch, row), status_code=201)
 
 
 @router.get("/snapshots")
@@ -87,7 +105,7 @@ async def list_snapshots(
     start = int(next_token) if next_token and next_token.isdigit() else 0
     page = rows[start : start + limit]
     headers = {"x-next-token": str(start + limit)} if start + limit < len(rows) else {}
-    return JSONResponse([snapshot_info(r) for r in page], headers=headers)
+    return JSONResponse([await snapshot_body(orch, r) for r in page], headers=headers)
 
 
 @router.delete("/templates/{template_id}", status_code=204)
@@ -115,3 +133,16 @@ async def fork(
             assert outcome.error is not None
             results.append({"error": error_body(outcome.error)})
     return JSONResponse(results, status_code=201)
+
+
+# -- rollback (our extension) ------------------------------------------------------------------
+
+
+@router.post("/sandboxes/{sandbox_id}/rollback")
+async def rollback(
+    request: Request, sandbox_id: str, orch: Orch, body: SandboxRollbackRequest
+) -> JSONResponse:
+    """Put a running sandbox back to a snapshot in place: same id, timeout and metadata; the
+    answer is the sandbox, as a resume's."""
+    rec = await orch.rollback(normalise_sandbox_id(sandbox_id), body.snapshot_id)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=200)

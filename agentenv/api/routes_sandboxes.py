@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from agentenv.api.auth import require_api_key
+from agentenv.api.routes_network import create_network
 from agentenv.api.schemas import (
     MAX_TIMEOUT_SECONDS,
     ConnectSandbox,
@@ -98,15 +99,20 @@ def detail_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
             "domain": domain,
             "network": NetworkInfo(
                 allow_public_traffic=rec.traffic_access_token is None,
-                allow_out=list(net.get("allowOut") or []),
-                deny_out=list(net.get("denyOut") or []),
+                allow_out=list(rec.egress.allow_out if rec.egress else ()),
+                deny_out=list(rec.egress.deny_out if rec.egress else ()),
+                mask_request_host=net.get("maskRequestHost"),
+                dns_servers=net.get("dnsServers"),
             ),
             "lifecycle": SandboxLifecycle(
                 auto_resume=rec.auto_resume, on_timeout="pause" if rec.auto_pause else "kill"
             ),
         }
     )
-    return detail.to_json()
+    body = detail.to_json()
+    if isinstance(body.get("network"), dict):  # unset optional network fields stay out
+        body["network"] = {k: v for k, v in body["network"].items() if v is not None}
+    return body
 
 
 def metric_body(sample: MetricSample) -> dict[str, object]:
@@ -139,10 +145,12 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
         raise Invalid("volume mounts are not supported on this node")
     if body.auto_resume and body.auto_resume.enabled and not body.auto_pause:
         raise Invalid("autoResume requires autoPause")
+    if body.auto_resume and body.auto_resume.enabled and not body.auto_pause_memory:
+        # openapi.yml: a filesystem-only snapshot is never auto-resumed by traffic.
+        raise Invalid("autoResume cannot be combined with autoPauseMemory=false")
     network = body.network
     allow_internet = body.allow_internet_access
-    if network and network.allow_out:
-        raise Invalid("network.allowOut is not supported on this node")
+    egress, kept = create_network(network, secure=secure)
     return CreateRequest(
         template_id=body.template_id,
         timeout_seconds=timeout,
@@ -151,9 +159,11 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
         secure=secure,
         allow_internet_access=allow_internet,
         auto_pause=body.auto_pause,
+        auto_pause_memory=body.auto_pause_memory,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         allow_public_traffic=network.allow_public_traffic is not False if network else True,
-        network=network.model_dump(by_alias=True, exclude_none=True) if network else None,
+        network=kept,
+        egress=egress,
     )
 
 

@@ -28,11 +28,27 @@ class _Response(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_unset=False)
 
 
-class SandboxNetworkConfig(_Request):
-    allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+class NetworkEgress(_Request):
+    """The egress fields create and update share. Entries are checked by
+    ``agentenv.runtime.network.parse_egress``; the fields this node cannot honour are refused
+    by the routes rather than ignored."""
+
     allow_out: list[str] | None = Field(None, alias="allowOut")
     deny_out: list[str] | None = Field(None, alias="denyOut")
-    mask_request_host: str | None = Field(None, alias="maskRequestHost")
+    #: Only opens the firewall for resolvers when ``allowOut`` names domains (E2B): accepted, kept.
+    dns_servers: list[str] | None = Field(None, alias="dnsServers", max_length=10)
+    rules: dict[str, Any] | None = None
+    egress_proxy: dict[str, Any] | None = Field(None, alias="egressProxy")
+
+
+class SandboxNetworkConfig(NetworkEgress):
+    allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+    mask_request_host: str | None = Field(None, alias="maskRequestHost", max_length=253)
+    https_ports: list[int] | None = Field(None, alias="httpsPorts")
+
+
+class SandboxNetworkUpdateConfig(NetworkEgress):
+    allow_internet_access: bool | None = None
 
 
 class SandboxAutoResumeConfig(_Request):
@@ -93,6 +109,9 @@ class NetworkInfo(_Response):
     allow_public_traffic: bool = Field(default=True, serialization_alias="allowPublicTraffic")
     allow_out: list[str] = Field(default_factory=list, serialization_alias="allowOut")
     deny_out: list[str] = Field(default_factory=list, serialization_alias="denyOut")
+    #: Left out of the answer when unset (the SDKs read a missing key as "not set").
+    mask_request_host: str | None = Field(default=None, serialization_alias="maskRequestHost")
+    dns_servers: list[str] | None = Field(default=None, serialization_alias="dnsServers")
 
 
 class ListedSandbox(_Response):
@@ -162,3 +181,47 @@ class Template(_Response):
     build_status: Literal["building", "waiting", "ready", "error"] = Field(
         default="ready", serialization_alias="buildStatus"
     )
+
+
+# -- template builds (E2B's build API) ----------------------------------------------------------
+
+
+class TemplateBuildRequestV3(_Request):
+    name: str | None = Field(default=None, max_length=128)
+    alias: str | None = Field(default=None, max_length=128)
+    tags: list[str] = Field(default_factory=list)
+    cpu_count: int | None = Field(default=None, alias="cpuCount")
+    memory_mb: int | None = Field(default=None, alias="memoryMB")
+
+
+class TemplateStep(_Request):
+    type: str
+    args: list[str] = Field(default_factory=list)
+    files_hash: str | None = Field(default=None, alias="filesHash")
+    force: bool = False
+
+
+class FromImageRegistry(_Request):
+    type: str
+    username: str | None = None
+    password: str | None = None
+
+
+class TemplateBuildStartV2(_Request):
+    from_image: str | None = Field(default=None, alias="fromImage")
+    from_template: str | None = Field(default=None, alias="fromTemplate")
+    from_image_registry: FromImageRegistry | None = Field(default=None, alias="fromImageRegistry")
+    force: bool = False
+    steps: list[TemplateStep] = Field(default_factory=list)
+    start_cmd: str | None = Field(default=None, alias="startCmd")
+    ready_cmd: str | None = Field(default=None, alias="readyCmd")
+
+
+class AssignTemplateTagsRequest(_Request):
+    target: str
+    tags: list[str]
+
+
+class DeleteTemplateTagsRequest(_Request):
+    name: str
+    tags: list[str]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from agentenv.cli import image, template
+from agentenv.cli import image, node, sandbox, snapshot, template
 
 app = typer.Typer(help="agentenv: self-hosted, E2B-compatible sandboxes.", no_args_is_help=True)
 app.add_typer(template.app, name="template")  # template build/list (storage)
 app.add_typer(image.app, name="image")  # microVM guest artifacts (runtime/qemu, runtime/firecracker)
+app.add_typer(sandbox.app, name="sandbox")  # operators' commands over the E2B API (cli/client.py)
+app.add_typer(snapshot.app, name="snapshot")
+app.add_typer(node.app, name="node")
 
 
 @app.command()

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agentenv.envd import metrics
 from agentenv.envd.files_http import compose, download, upload
 from agentenv.envd.filesystem_service import FilesystemService
+from agentenv.envd.fsfreeze import fsfreeze, fsthaw
 from agentenv.envd.http_common import EXCEPTION_HANDLERS, error_response, json_object
 from agentenv.envd.loginenv import LoginEnvironments, LoginKey
 from agentenv.envd.process_service import ProcessService
@@ -27,7 +28,7 @@ from agentenv.envd.processes import ProcessTable
 from agentenv.envd.reaper import reap_orphans_forever
 from agentenv.envd.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_app, process_app
 from agentenv.envd.settings import EnvdSettings
-from agentenv.envd.signature import signature_grants
+from agentenv.envd.signature import signature_refusal
 from agentenv.envd.spawn import Spawner
 from agentenv.envd.state import EnvdState
 from agentenv.errors import Invalid, Unauthenticated
@@ -53,10 +54,16 @@ class AccessTokenMiddleware:
         if self.state.token_matches(request.headers.get("x-access-token")):
             await self.app(scope, receive, send)
             return
-        if scope["path"] == "/files" and signature_grants(request, self.state.access_token):
-            await self.app(scope, receive, send)
-            return
         message = "missing or invalid access token (X-Access-Token)"
+        if scope["path"] == "/files":
+            if request.headers.get("x-access-token"):
+                message = "access token present in header but does not match"  # as E2B's envd
+            else:
+                refusal = signature_refusal(request, self.state.access_token)
+                if refusal is None:
+                    await self.app(scope, receive, send)
+                    return
+                message = refusal
         if scope["path"].startswith((f"/{PROCESS_SERVICE}/", f"/{FILESYSTEM_SERVICE}/")):
             # An RPC client reads Connect's error shape (a code name), not E2B's HTTP one.
             response: Response = JSONResponse(
@@ -169,6 +176,8 @@ def create_app(settings: EnvdSettings) -> Starlette:
             Route("/files", download, methods=["GET"]),
             Route("/files", upload, methods=["POST"]),
             Route("/files/compose", compose, methods=["POST"]),
+            Route("/fsfreeze", fsfreeze, methods=["POST"]),
+            Route("/fsthaw", fsthaw, methods=["POST"]),
             Mount(f"/{PROCESS_SERVICE}", app=process_app(ProcessService(state, table, logins))),
             Mount(f"/{FILESYSTEM_SERVICE}", app=filesystem_app(filesystem)),
         ],

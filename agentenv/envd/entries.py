@@ -13,6 +13,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
+from agentenv.envd.metadata_store import default_store
 from agentenv.envd.proto.filesystem_pb import EntryInfo, FileType
 
 #: User metadata lives in this xattr namespace (envd.yaml ``POST /files``); the prefix is stripped.
@@ -80,7 +81,11 @@ def _file_type(mode: int) -> FileType:
 
 
 def read_metadata(path: str) -> dict[str, str]:
-    """``user.e2b.*`` xattrs; empty where the file system has no user xattrs (gVisor's gofer)."""
+    """``user.e2b.*`` xattrs, or what the metadata store keeps where the file system has no
+    user xattrs (gVisor's gofer: metadata_store.py)."""
+    stored = default_store().get(path)
+    if stored is not None:
+        return stored
     try:
         names = os.listxattr(path, follow_symlinks=False)
     except OSError:
@@ -111,8 +116,13 @@ def entry_from_stat(path: str, st: os.stat_result) -> EntryInfo:
         metadata=read_metadata(path),
     )
     if stat.S_ISLNK(st.st_mode):
-        # Go's envd reports filepath.EvalSymlinks: the fully resolved target.
+        # Go's envd reports filepath.EvalSymlinks (the fully resolved target) and the type of
+        # what the link points to; a dangling link keeps the symlink type.
         entry.symlink_target = os.path.realpath(path)
+        try:
+            entry.type = _file_type(os.stat(path).st_mode)
+        except OSError:
+            pass
     return entry
 
 

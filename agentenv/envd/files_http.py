@@ -2,6 +2,9 @@
 
 Uploads stream into a temporary file next to the target, which is renamed over it only once the
 whole body arrived: a failed or aborted upload never leaves a half-written file behind.
+
+Every path is opened, created and renamed with the rights of the request's user (fsaccess.py):
+what the user could not read or write is refused with 403, what they create is theirs.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 
 from agentenv.envd.entries import METADATA_XATTR_PREFIX, read_metadata
 from agentenv.envd.filesystem_service import chown_to, make_dirs
+from agentenv.envd.fsaccess import as_user
 from agentenv.envd.http_common import json_object
+from agentenv.envd.metadata_store import default_store
 from agentenv.envd.multipart import MultipartReader, boundary_from_content_type
 from agentenv.envd.state import EnvdState
 from agentenv.envd.tempnames import temp_upload_name
 from agentenv.envd.users import User, resolve_path
-from agentenv.errors import AgentenvError, Failed, InsufficientStorage, Invalid, NotFound
+from agentenv.errors import AgentenvError, Failed, Forbidden, InsufficientStorage, Invalid, NotFound
 
 _WRITE_BATCH = 1024 * 1024
 _READ_CHUNK = 256 * 1024
@@ -45,11 +50,25 @@ def _user(request: Request) -> User:
     return _state(request).user(request.query_params.get("username") or None)
 
 
-def _write_failure(exc: OSError, doing: str) -> AgentenvError:
-    """A write that failed: a full disk is 507 (the SDK's NotEnoughSpaceException), the rest 500."""
+#: errnos that say the request named a path it cannot use as it asked (400), not that envd failed.
+_BAD_PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST})
+
+
+def os_failure(exc: OSError, doing: str) -> AgentenvError:
+    """The error kind of a failed file operation: a full disk is 507 (the SDK's
+    NotEnoughSpaceException), what the user has no right to 403, a path that cannot be used as
+    asked 400 (404 when missing); only the rest is envd's own failure (500)."""
+    where = f" '{exc.filename}'" if exc.filename else ""
+    message = f"{doing}{where}: {exc.strerror or exc}"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientStorage("not enough disk space available")
-    return Failed(f"{doing}: {exc.strerror or exc}")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return Forbidden(message)
+    if exc.errno == errno.ENOENT:
+        return NotFound(message)
+    if exc.errno in _BAD_PATH_ERRNOS:
+        return Invalid(message)
+    return Failed(message)
 
 
 # --- download ------------------------------------------------------------------------------------
@@ -95,33 +114,49 @@ def _content_disposition(name: str) -> str:
     return f"inline; filename*=utf-8''{urllib.parse.quote(name)}"
 
 
-async def _gzip_stream(path: str) -> AsyncIterator[bytes]:
+async def _gzip_stream(file: BinaryIO) -> AsyncIterator[bytes]:
     compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
-    with open(path, "rb") as f:  # noqa: ASYNC230 - reads run in a worker thread below
-        while chunk := await asyncio.to_thread(f.read, _READ_CHUNK):
+    with file:
+        while chunk := await asyncio.to_thread(file.read, _READ_CHUNK):
             if out := compressor.compress(chunk):
                 yield out
     yield compressor.flush()
 
 
-class _LargeChunkFileResponse(FileResponse):
+class _OpenedFileResponse(FileResponse):
+    """A file the user opened (their rights checked by the kernel), served by Starlette (ranges,
+    validators) through ``/proc/self/fd/<n>``: the same open file, never the path again, so a
+    path swapped for a symlink meanwhile cannot point the download elsewhere."""
+
     # Each chunk is a worker-thread round trip; 64 KiB chunks make big downloads slow under gVisor.
     chunk_size = 1024 * 1024
 
+    def __init__(self, file: BinaryIO, st: os.stat_result, **kwargs: Any) -> None:
+        super().__init__(f"/proc/self/fd/{file.fileno()}", stat_result=st, **kwargs)
+        self._file = file
 
-def _readable_file(path: str) -> os.stat_result:
-    """stat of the file to download; the error E2B's envd answers when it cannot be read."""
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._file.close()
+
+
+def _open_readable(path: str) -> tuple[BinaryIO, os.stat_result]:
+    """The file to download, opened (as the request's user: see ``download``)."""
     try:
-        st = os.stat(path)
+        file = open(path, "rb")
     except FileNotFoundError:
         raise NotFound(f"path '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise Invalid(f"path '{path}' is a directory") from None
     except OSError as exc:
-        raise Failed(f"error opening file '{path}': {exc.strerror}") from exc
+        raise os_failure(exc, "error opening file") from None
+    st = os.fstat(file.fileno())
     if stat.S_ISDIR(st.st_mode):
+        file.close()
         raise Invalid(f"path '{path}' is a directory")
-    if not os.access(path, os.R_OK):
-        raise Failed(f"error opening file '{path}': permission denied")
-    return st
+    return file, st
 
 
 async def download(request: Request) -> Response:
@@ -130,15 +165,15 @@ async def download(request: Request) -> Response:
     if not raw_path:
         raise Invalid("path is required")
     path = resolve_path(raw_path, user)
-    st = _readable_file(path)
     gzip = _accepts_gzip(request.headers.get("accept-encoding", ""))
+    file, st = as_user(user, _open_readable, path)
     media_type = mimetypes.guess_type(path)[0] or "application/octet-stream"
     headers = {"Content-Disposition": _content_disposition(os.path.basename(path))}
     if gzip:
         headers["Content-Encoding"] = "gzip"
         headers["Vary"] = "Accept-Encoding"
-        return StreamingResponse(_gzip_stream(path), media_type=media_type, headers=headers)
-    return _LargeChunkFileResponse(path, media_type=media_type, headers=headers, stat_result=st)
+        return StreamingResponse(_gzip_stream(file), media_type=media_type, headers=headers)
+    return _OpenedFileResponse(file, st, media_type=media_type, headers=headers)
 
 
 # --- upload --------------------------------------------------------------------------------------
@@ -207,7 +242,7 @@ class _Upload:
 
     async def commit(self, metadata: dict[str, str]) -> None:
         await self._flush()
-        self.finish(metadata)
+        as_user(self.user, self.finish, metadata)
 
     def finish(self, metadata: dict[str, str]) -> None:
         """Close; mode (kept from an overwritten file), owner and metadata; then the atomic rename."""
@@ -220,10 +255,13 @@ class _Upload:
         chown_to(self.temp, self.user)
         try:
             _apply_metadata(self.temp, metadata)
+            in_xattrs = True
         except OSError as exc:
-            if metadata or exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
+            in_xattrs = False  # gVisor's gofer: the metadata store keeps it (metadata_store.py)
         os.replace(self.temp, self.target)
+        default_store().set(self.target, {} if in_xattrs else metadata)
 
     def abort(self) -> None:
         self._file.close()
@@ -277,7 +315,7 @@ async def _upload_octet_stream(
     elif encoding not in ("", "identity"):
         raise Invalid(f"unsupported Content-Encoding '{encoding}', supported: [identity, gzip]")
     path = resolve_path(raw_path, user)
-    file = _Upload(path, user)
+    file = as_user(user, _Upload, path, user)
     await _receive_into(file, body, metadata)
     return [_written(file.target, metadata)]
 
@@ -294,7 +332,7 @@ async def _upload_multipart(
         raw_path = path_param or part.filename
         if not raw_path:
             raise Invalid("a file part has no filename and no path query parameter was given")
-        file = _Upload(resolve_path(raw_path, user), user)
+        file = as_user(user, _Upload, resolve_path(raw_path, user), user)
         await _receive_into(file, body, metadata)
         written.append(_written(file.target, metadata))
     if not written:
@@ -319,7 +357,7 @@ async def upload(request: Request) -> Response:
     except ClientDisconnect:
         raise Invalid("the client went away before the upload completed") from None
     except OSError as exc:
-        raise _write_failure(exc, "error writing file") from exc
+        raise os_failure(exc, "error writing file") from exc
     return JSONResponse(written)
 
 
@@ -378,7 +416,7 @@ async def compose(request: Request) -> Response:
     sources = [resolve_path(s, user) for s in sources_raw]
     destination = resolve_path(destination_raw, user)
     try:
-        await asyncio.to_thread(_compose, sources, destination, user)
+        await asyncio.to_thread(as_user, user, _compose, sources, destination, user)
     except OSError as exc:
-        raise _write_failure(exc, "error composing files") from exc
+        raise os_failure(exc, "error composing files") from exc
     return JSONResponse(_written(destination, {}))

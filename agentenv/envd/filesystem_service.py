@@ -1,7 +1,8 @@
 """``filesystem.Filesystem``: Stat, MakeDir, Move, ListDir, Remove, WatchDir and polled watchers.
 
-envd runs as root and acts on the file system as itself; what it creates is handed to the
-requesting user (chown), as E2B's envd does.
+Every operation runs with the rights of the requesting user (fsaccess.py): what they may not
+see or change is PERMISSION_DENIED, what they create is theirs. E2B's envd acts as root and only
+chowns what it creates (docs/ENVD_PERMISSIONS.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from connectrpc.request import RequestContext
 from protobuf import Oneof
 
 from agentenv.envd.entries import entry_from_stat, entry_info, os_error_to_connect
+from agentenv.envd.fsaccess import as_user
 from agentenv.envd.inotify import QUEUE_OVERFLOW, DirectoryWatcher, WatchEvent
+from agentenv.envd.metadata_store import default_store
 from agentenv.envd.proto.filesystem_pb import (
     CreateWatcherRequest,
     CreateWatcherResponse,
@@ -46,6 +49,7 @@ from agentenv.envd.proto.filesystem_pb import (
 from agentenv.envd.rpc_common import keepalive_interval, request_user, with_keepalives
 from agentenv.envd.state import EnvdState
 from agentenv.envd.users import User, resolve_path
+from agentenv.errors import Invalid
 
 _KEEPALIVE_EVENT: Oneof[Literal["keepalive"], WatchDirResponse.KeepAlive] = Oneof(
     "keepalive", WatchDirResponse.KeepAlive()
@@ -87,6 +91,53 @@ def _move(source: str, destination: str, user: User) -> None:
         os.rename(source, destination)
     except OSError as exc:
         raise os_error_to_connect(exc, destination) from None
+
+
+def _make_dir(path: str, user: User) -> EntryInfo:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error_to_connect(exc, path) from None
+    else:
+        # The SDK's make_dir returns False on ALREADY_EXISTS.
+        if stat.S_ISDIR(st.st_mode):
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory '{path}' already exists")
+        raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' already exists but it is not a directory")
+    try:
+        make_dirs(path, user)
+    except OSError as exc:
+        raise os_error_to_connect(exc, path) from None
+    return entry_info(path)
+
+
+def _list(path: str, depth: int) -> list[EntryInfo]:
+    _require_directory(path)
+    entries: list[EntryInfo] = []
+    _walk(path, depth, entries)
+    return entries
+
+
+def _remove(path: str) -> None:
+    """Like Go's os.RemoveAll, which E2B's envd uses: removing what is not there succeeds."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error_to_connect(exc, path) from None
+
+
+def _resolve(path: str, user: User) -> str:
+    try:
+        return resolve_path(path, user)
+    except Invalid as exc:
+        raise ConnectError(Code.INVALID_ARGUMENT, exc.message) from None
 
 
 def chown_to(path: str, user: User) -> None:
@@ -177,36 +228,19 @@ class FilesystemService:
         if not path:
             raise ConnectError(Code.INVALID_ARGUMENT, "path is required")
         user = request_user(self._state, ctx)
-        return resolve_path(path, user), user
+        return _resolve(path, user), user
 
     async def stat(
         self, request: StatRequest, ctx: RequestContext[StatRequest, StatResponse]
     ) -> StatResponse:
-        path, _ = self._path(request.path, ctx)
-        return StatResponse(entry=entry_info(path))
+        path, user = self._path(request.path, ctx)
+        return StatResponse(entry=as_user(user, entry_info, path))
 
     async def make_dir(
         self, request: MakeDirRequest, ctx: RequestContext[MakeDirRequest, MakeDirResponse]
     ) -> MakeDirResponse:
         path, user = self._path(request.path, ctx)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise os_error_to_connect(exc, path) from None
-        else:
-            # The SDK's make_dir returns False on ALREADY_EXISTS.
-            if stat.S_ISDIR(st.st_mode):
-                raise ConnectError(Code.ALREADY_EXISTS, f"directory '{path}' already exists")
-            raise ConnectError(
-                Code.INVALID_ARGUMENT, f"path '{path}' already exists but it is not a directory"
-            )
-        try:
-            make_dirs(path, user)
-        except OSError as exc:
-            raise os_error_to_connect(exc, path) from None
-        return MakeDirResponse(entry=entry_info(path))
+        return MakeDirResponse(entry=as_user(user, _make_dir, path, user))
 
     async def move(
         self, request: MoveRequest, ctx: RequestContext[MoveRequest, MoveResponse]
@@ -214,35 +248,25 @@ class FilesystemService:
         source, user = self._path(request.source, ctx)
         if not request.destination:
             raise ConnectError(Code.INVALID_ARGUMENT, "destination is required")
-        destination = resolve_path(request.destination, user)
-        _move(source, destination, user)
-        return MoveResponse(entry=entry_info(destination))
+        destination = _resolve(request.destination, user)
+        as_user(user, _move, source, destination, user)
+        default_store().move(source, destination)  # metadata follows, as xattrs would
+        return MoveResponse(entry=as_user(user, entry_info, destination))
 
     async def list_dir(
         self, request: ListDirRequest, ctx: RequestContext[ListDirRequest, ListDirResponse]
     ) -> ListDirResponse:
-        path, _ = self._path(request.path, ctx)
-        depth = request.depth or 1
-        _require_directory(path)
-        entries: list[EntryInfo] = []
-        await asyncio.to_thread(_walk, path, depth, entries)  # big trees must not stall the loop
+        path, user = self._path(request.path, ctx)
+        # Big trees must not stall the loop: listed in a worker thread (as the user there).
+        entries = await asyncio.to_thread(as_user, user, _list, path, request.depth or 1)
         return ListDirResponse(entries=entries)
 
     async def remove(
         self, request: RemoveRequest, ctx: RequestContext[RemoveRequest, RemoveResponse]
     ) -> RemoveResponse:
-        """Like Go's os.RemoveAll, which E2B's envd uses: removing what is not there succeeds."""
-        path, _ = self._path(request.path, ctx)
-        try:
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode):
-                await asyncio.to_thread(shutil.rmtree, path)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise os_error_to_connect(exc, path) from None
+        path, user = self._path(request.path, ctx)
+        await asyncio.to_thread(as_user, user, _remove, path)  # a big tree takes a while
+        default_store().drop(path)
         return RemoveResponse()
 
     # --- watching ------------------------------------------------------------------------------
@@ -265,8 +289,15 @@ class FilesystemService:
     async def watch_dir(
         self, request: WatchDirRequest, ctx: RequestContext[WatchDirRequest, WatchDirResponse]
     ) -> AsyncIterator[WatchDirResponse]:
-        path, _ = self._path(request.path, ctx)
-        watch = self._open_watch(path, request.recursive, request.include_entry, request.allow_network_mounts)
+        path, user = self._path(request.path, ctx)
+        watch = as_user(
+            user,
+            self._open_watch,
+            path,
+            request.recursive,
+            request.include_entry,
+            request.allow_network_mounts,
+        )
         try:
             started: Oneof[Literal["start"], WatchDirResponse.StartEvent] = Oneof(
                 "start", WatchDirResponse.StartEvent()
@@ -286,8 +317,15 @@ class FilesystemService:
     async def create_watcher(
         self, request: CreateWatcherRequest, ctx: RequestContext[CreateWatcherRequest, CreateWatcherResponse]
     ) -> CreateWatcherResponse:
-        path, _ = self._path(request.path, ctx)
-        watch = self._open_watch(path, request.recursive, request.include_entry, request.allow_network_mounts)
+        path, user = self._path(request.path, ctx)
+        watch = as_user(
+            user,
+            self._open_watch,
+            path,
+            request.recursive,
+            request.include_entry,
+            request.allow_network_mounts,
+        )
         watch.polled = True
         watcher_id = uuid.uuid4().hex
         self._watchers[watcher_id] = watch

@@ -80,6 +80,13 @@ def _check(result: int, what: str) -> int:
     return result
 
 
+def _has_data(path: str) -> bool:
+    try:
+        return os.stat(path).st_size > 0
+    except OSError:  # replaced or removed since: it was written, as far as anyone can tell
+        return True
+
+
 @dataclass(frozen=True)
 class WatchEvent:
     """``name`` is relative to the watched root, as envd reports it."""
@@ -182,7 +189,11 @@ class DirectoryWatcher:
                 return
 
     def _upload_event(self, mask: int, cookie: int, name: str, path: str) -> bool:
-        """Hide upload temp files; their rename into place reads as create (if new) + write."""
+        """Hide upload temp files; their rename into place reads as E2B's in-place write does.
+
+        E2B's envd (upload.go) chowns an existing file, opens it ``O_CREAT|O_TRUNC`` and writes:
+        ``chmod`` (the chown's IN_ATTRIB), ``write`` (the truncation and the data). A new file:
+        ``create``, ``chmod``, then ``write`` only if it got data (a new file is not truncated)."""
         upload = parse_temp_upload_name(name) if name else None
         if upload is not None:
             if mask & IN_MOVED_FROM:
@@ -194,9 +205,11 @@ class DirectoryWatcher:
             return False
         _, is_new = self._upload_moves.pop(cookie)
         rel = os.path.relpath(path, self.root)
-        if is_new:
-            self._on_event(WatchEvent(name=rel, path=path, type=EventType.CREATE))
-        self._on_event(WatchEvent(name=rel, path=path, type=EventType.WRITE))
+        types = [EventType.CREATE, EventType.CHMOD] if is_new else [EventType.CHMOD]
+        if not is_new or _has_data(path):
+            types.append(EventType.WRITE)
+        for event_type in types:
+            self._on_event(WatchEvent(name=rel, path=path, type=event_type))
         return True
 
     def close(self) -> None:

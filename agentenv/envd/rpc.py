@@ -6,13 +6,15 @@ Both codecs are served (binary ``application/proto`` and JSON, which the SDK use
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.codec import Codec, proto_binary_codec, proto_json_codec
 from connectrpc.errors import ConnectError
 from connectrpc.method import IdempotencyLevel, MethodInfo
+from connectrpc.request import RequestContext
 from connectrpc.server import ConnectASGIApplication, Endpoint
 
 from agentenv.envd.filesystem_service import FilesystemService
@@ -24,6 +26,46 @@ PROCESS_SERVICE = "process.Process"
 FILESYSTEM_SERVICE = "filesystem.Filesystem"
 #: Large enough for SendInput chunks and metadata-heavy requests; file data goes over /files.
 READ_MAX_BYTES = 16 * 1024 * 1024
+#: What connect-go says when a handler's context passes its ``Connect-Timeout-Ms`` deadline.
+DEADLINE_MESSAGE = "context deadline exceeded"
+
+StreamHandler = Callable[[Any, RequestContext[Any, Any]], AsyncIterator[Any]]
+
+
+def with_deadline(handler: StreamHandler) -> StreamHandler:
+    """End a server stream with ``deadline_exceeded`` once its ``Connect-Timeout-Ms`` has passed.
+
+    connect-go (E2B's envd) gives each handler a context with that deadline; connectrpc's
+    Python server only parses the header. The async SDK bounds a command's or watch's stream
+    by it, so without this its ``timeout`` never fires while the process stays quiet.
+    """
+
+    async def bounded(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
+        remaining_ms = ctx.timeout_ms
+        stream = handler(request, ctx)
+        if remaining_ms is None:
+            async for item in stream:
+                yield item
+            return
+        deadline = asyncio.get_running_loop().time() + max(0.0, remaining_ms) / 1000
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline) as scope:
+                        item = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if scope.expired():
+                        raise ConnectError(Code.DEADLINE_EXCEEDED, DEADLINE_MESSAGE) from None
+                    raise
+                yield item
+        finally:
+            close = getattr(stream, "aclose", None)  # a cancelled generator is closed already
+            if close is not None:
+                await close()
+
+    return bounded
 
 
 def _method(service: str, name: str, request: type[Any], response: type[Any]) -> MethodInfo[Any, Any]:
@@ -56,9 +98,11 @@ def _process_endpoints(svc: ProcessService) -> Mapping[str, Any]:
     return {
         prefix + "List": Endpoint.unary(m("List", pr.ListRequest, pr.ListResponse), svc.list),
         prefix + "Connect": Endpoint.server_stream(
-            m("Connect", pr.ConnectRequest, pr.ConnectResponse), svc.connect
+            m("Connect", pr.ConnectRequest, pr.ConnectResponse), with_deadline(svc.connect)
         ),
-        prefix + "Start": Endpoint.server_stream(m("Start", pr.StartRequest, pr.StartResponse), svc.start),
+        prefix + "Start": Endpoint.server_stream(
+            m("Start", pr.StartRequest, pr.StartResponse), with_deadline(svc.start)
+        ),
         prefix + "Update": Endpoint.unary(m("Update", pr.UpdateRequest, pr.UpdateResponse), svc.update),
         prefix + "StreamInput": Endpoint.client_stream(
             m("StreamInput", pr.StreamInputRequest, pr.StreamInputResponse), svc.stream_input
@@ -87,7 +131,7 @@ def _filesystem_endpoints(svc: FilesystemService) -> Mapping[str, Any]:
         prefix + "ListDir": Endpoint.unary(m("ListDir", fs.ListDirRequest, fs.ListDirResponse), svc.list_dir),
         prefix + "Remove": Endpoint.unary(m("Remove", fs.RemoveRequest, fs.RemoveResponse), svc.remove),
         prefix + "WatchDir": Endpoint.server_stream(
-            m("WatchDir", fs.WatchDirRequest, fs.WatchDirResponse), svc.watch_dir
+            m("WatchDir", fs.WatchDirRequest, fs.WatchDirResponse), with_deadline(svc.watch_dir)
         ),
         prefix + "CreateWatcher": Endpoint.unary(
             m("CreateWatcher", fs.CreateWatcherRequest, fs.CreateWatcherResponse), svc.create_watcher

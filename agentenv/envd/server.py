@@ -8,7 +8,7 @@ import logging
 import selectors
 import sys
 
-from agentenv.envd import lean
+from agentenv.envd import hardening, lean
 from agentenv.envd.settings import parse_settings
 
 #: uvicorn's exit status when the server could not start (uvicorn.config.STARTUP_FAILURE).
@@ -35,6 +35,8 @@ def log_to_stderr(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     log_to_stderr(settings.log_level)
+    # Before anything else runs: nothing in the sandbox may stop envd or read its memory.
+    hardening.protect_from_tracing()
     # envd's memory is in every checkpoint image: keep what it never uses out (lean.py), before
     # anything imports connectrpc or uvicorn.
     lean.defer_http_client()

@@ -16,22 +16,26 @@ def expected_signature(path: str, operation: str, user: str, token: str, expirat
     return "v1_" + base64.b64encode(digest).rstrip(b"=").decode("ascii")
 
 
-def signature_grants(request: Request, token: str) -> bool:
-    """True when the ``signature`` query parameter signs this path, operation and user."""
+def signature_refusal(request: Request, token: str) -> str | None:
+    """None when the ``signature`` query parameter signs this path, operation and user and has not
+    expired; else why not, in E2B envd's words (auth.go ``validateSigning``: the signature is
+    checked before its expiry)."""
     params = request.query_params
     signature = params.get("signature")
     if not signature:
-        return False
+        return "missing signature query parameter"
     expiration: int | None = None
     if params.get("signature_expiration"):
         try:
             expiration = int(params["signature_expiration"])
         except ValueError:
-            return False
-        if expiration < time.time():
-            return False
+            return "invalid signature"
     operation = "read" if request.method == "GET" else "write"
     wanted = expected_signature(
         params.get("path", ""), operation, params.get("username", ""), token, expiration
     )
-    return hmac.compare_digest(signature.encode(), wanted.encode())
+    if not hmac.compare_digest(signature.encode(), wanted.encode()):
+        return "invalid signature"
+    if expiration is not None and expiration < time.time():
+        return "signature is already expired"
+    return None

@@ -14,7 +14,7 @@ import os
 import pwd
 from dataclasses import dataclass
 
-from agentenv.errors import Unauthenticated
+from agentenv.errors import Invalid, Unauthenticated
 from agentenv.types import SANDBOX_USER
 
 
@@ -41,7 +41,7 @@ def lookup_user(name: str) -> User:
     E2B's envd answers)."""
     try:
         entry = pwd.getpwnam(name)
-    except KeyError:
+    except (KeyError, ValueError):  # ValueError: a NUL in the name, which no account has
         raise Unauthenticated(f"error looking up user '{name}': user: unknown user {name}") from None
     return User(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/", entry.pw_shell or "/bin/sh")
 
@@ -73,7 +73,10 @@ def username_from_authorization(header: str | None) -> str | None:
 
 
 def resolve_path(path: str, user: User) -> str:
-    """Absolute, normalised path; relative paths and ``~`` resolve against the user's home."""
+    """Absolute, normalised path; relative paths and ``~`` resolve against the user's home.
+    Raises Invalid for a path no file can have (a NUL byte: the kernel's paths are C strings)."""
+    if "\0" in path:
+        raise Invalid(f"path {path!r} contains a NUL byte")
     if path == "~":
         path = user.home
     elif path.startswith("~/"):

@@ -9,12 +9,13 @@ each runtime free the layers nothing names any more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import aiosqlite
 
 from agentenv.errors import Failed
+from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.runtime.base import Runtime
 from agentenv.storage import snapshots as storage
 from agentenv.storage.snapshots import SnapshotKind, SnapshotRow, SnapshotStore
@@ -88,15 +90,28 @@ class SnapshotMeta:
 
 
 class SnapshotCatalog:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        durable: DurableSnapshots | None = None,
+        runtimes: Iterable[Runtime] = (),
+    ) -> None:
         self._data_dir = data_dir
         self._store: SnapshotStore | None = None
         self._gc_lock = asyncio.Lock()
+        #: The snapshot store's side (uploads, fetches, the cache cap); None: node-local only.
+        self.durable = durable
+        self._runtimes = runtimes
+        if durable is not None:
+            durable.collect = lambda: self.collect_garbage(self._runtimes)
 
     async def open(self, db: aiosqlite.Connection) -> None:
         """Open on the registry's database connection (one SQLite file per node)."""
         self._store = SnapshotStore(db, self._data_dir)
         await self._store.open()
+        if self.durable is not None:
+            await self.durable.open(db, self._store)
 
     @property
     def store(self) -> SnapshotStore:
@@ -142,6 +157,8 @@ class SnapshotCatalog:
             parent_id=parent.snapshot_id if parent else None,
         )
         await self.store.add(row)
+        if self.durable is not None:
+            await self.durable.committed(row)
         return row
 
     # -- reading -----------------------------------------------------------------------------
@@ -151,17 +168,37 @@ class SnapshotCatalog:
         one was merged onto a copy of its parent when taken), so a restore needs no parent."""
         return self.store.ref(row)
 
+    @contextlib.asynccontextmanager
+    async def use(self, row: SnapshotRow) -> AsyncIterator[SnapshotRef]:
+        """Where the snapshot lies, for a restore: its local copy is complete (what this node
+        lacked fetched from the snapshot store) and kept from eviction until the block ends."""
+        if self.durable is None:
+            yield self.ref(row)
+            return
+        async with self.durable.use(row):
+            yield self.ref(row)
+
     async def parent_for(self, snapshot_id: str | None) -> SnapshotRef | None:
-        """The snapshot a new one may be incremental to, if it still exists."""
+        """The snapshot a new one may be incremental to, if it still exists on this node (an
+        evicted copy is no base: the new one is then full)."""
         row = await self.store.get(snapshot_id) if snapshot_id else None
-        return self.store.ref(row) if row is not None else None
+        ref = self.store.ref(row) if row is not None else None
+        return ref if ref is not None and ref.path.is_dir() else None
 
     async def get(self, snapshot_id: str) -> SnapshotRow | None:
         return await self.store.get(snapshot_id)
 
     async def find_user_snapshot(self, name_or_id: str) -> SnapshotRow | None:
+        """A user snapshot by id or name: this node's, else one the snapshot store holds (taken
+        on another node, or before this node's registry was lost)."""
         row = await self.store.find(name_or_id)
+        if row is None and self.durable is not None:
+            row = await self.durable.adopt(name_or_id)
         return row if row is not None and row.kind == "snapshot" else None
+
+    async def storage_info(self, snapshot_id: str) -> dict[str, object] | None:
+        """Our extension to E2B's snapshot info: durable (in the store) or not, cached here, size."""
+        return await self.durable.info(snapshot_id) if self.durable is not None else None
 
     async def rows(self, kind: SnapshotKind | None = None, source: str | None = None) -> list[SnapshotRow]:
         return await self.store.rows(kind=kind, source=source)
@@ -169,6 +206,9 @@ class SnapshotCatalog:
     # -- removing ----------------------------------------------------------------------------
 
     async def delete(self, snapshot_id: str) -> None:
+        """The store's copy first (an unreachable store fails the delete), then this node's."""
+        if self.durable is not None:
+            await self.durable.delete(snapshot_id)
         await self.store.delete(snapshot_id)
 
     async def sweep(self, paused: dict[str, str]) -> list[str]:
@@ -176,7 +216,8 @@ class SnapshotCatalog:
         (``paused``: sandbox id -> its pause snapshot) and every fork snapshot (one never
         outlives its request: one left behind was cut short by a crash, and recovery has
         already revived its parent from it)."""
-        removed = await self.store.sweep_incomplete()
+        evicted = await self.durable.evicted() if self.durable is not None else set()
+        removed = await self.store.sweep_incomplete(keep_without_dir=evicted)
         for row in await self.rows("pause"):
             if paused.get(row.source_sandbox_id) != row.snapshot_id:
                 await self.delete(row.snapshot_id)
@@ -184,6 +225,8 @@ class SnapshotCatalog:
         for row in await self.rows("fork"):
             await self.delete(row.snapshot_id)
             removed.append(row.snapshot_id)
+        if self.durable is not None:
+            await self.durable.recover()
         return removed
 
     async def collect_garbage(self, runtimes: Iterable[Runtime]) -> None:

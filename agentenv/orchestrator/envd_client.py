@@ -18,8 +18,17 @@ class EnvdClient:
     def __init__(self) -> None:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
 
-    async def init(self, instance: SandboxInstance, envs: dict[str, str], access_token: str | None) -> None:
-        """``POST /init``: env vars, access token, clock and default user (envd.yaml)."""
+    async def init(
+        self,
+        instance: SandboxInstance,
+        envs: dict[str, str],
+        access_token: str | None,
+        *,
+        current_token: str | None = None,
+    ) -> None:
+        """``POST /init``: env vars, access token, clock and default user (envd.yaml).
+        ``current_token``: the token envd holds when it is not ``access_token`` (a rollback to
+        another sandbox's snapshot); the request authenticates with it and sets the new one."""
         body: dict[str, object] = {
             "envVars": envs,
             "timestamp": utcnow().isoformat().replace("+00:00", "Z"),
@@ -30,6 +39,8 @@ class EnvdClient:
         if access_token:
             body["accessToken"] = access_token
             headers["X-Access-Token"] = access_token
+        if current_token:
+            headers["X-Access-Token"] = current_token
         url = instance.envd_url.rstrip("/") + "/init"
         last: Exception | None = None
         for attempt in range(INIT_ATTEMPTS):
@@ -43,6 +54,18 @@ class EnvdClient:
                 raise Unavailable(f"envd /init answered {resp.status_code}: {resp.text[:300]}")
             return
         raise Unavailable(f"envd /init unreachable at {url}: {last}")
+
+    async def fsfreeze(self, instance: SandboxInstance, access_token: str | None) -> None:
+        """``POST /fsfreeze``: the root flushed to disk before a filesystem-only pause kills the
+        sandbox (envd.yaml; E2B's filesystem pause needs a responding envd too)."""
+        headers = {"X-Access-Token": access_token} if access_token else {}
+        url = instance.envd_url.rstrip("/") + "/fsfreeze"
+        try:
+            resp = await self._http.post(url, headers=headers)
+        except httpx.TransportError as exc:
+            raise Unavailable(f"envd did not answer /fsfreeze at {url}: {exc}") from exc
+        if resp.status_code >= 300:
+            raise Unavailable(f"envd /fsfreeze answered {resp.status_code}: {resp.text[:300]}")
 
     async def close(self) -> None:
         await self._http.aclose()

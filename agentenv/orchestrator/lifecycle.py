@@ -25,8 +25,9 @@ import datetime as dt
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import psutil
@@ -44,6 +45,7 @@ from agentenv.errors import (
 )
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
+from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
 from agentenv.orchestrator.envd_client import EnvdClient
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
@@ -64,9 +66,11 @@ from agentenv.orchestrator.template_snapshots import TemplateSnapshot, TemplateS
 from agentenv.orchestrator.timing import elapsed_ms, utcnow
 from agentenv.orchestrator.undo import Undo
 from agentenv.runtime.base import Runtime
+from agentenv.storage.objectstore import SnapshotObjects
 from agentenv.storage.snapshots import SnapshotKind, SnapshotRow
 from agentenv.types import (
     ENVD_VERSION,
+    EgressPolicy,
     SandboxInstance,
     SandboxMetrics,
     SandboxSpec,
@@ -81,7 +85,8 @@ S = SandboxState
 #: The state machine: the states a sandbox may move to from each state.
 EDGES: dict[SandboxState, frozenset[SandboxState]] = {
     S.CREATING: frozenset({S.RUNNING, S.KILLING, S.KILLED}),
-    S.RUNNING: frozenset({S.PAUSING, S.KILLING}),
+    # A rollback (our extension) passes through "resuming": the instance is replaced by a restore.
+    S.RUNNING: frozenset({S.PAUSING, S.RESUMING, S.KILLING}),
     # A pause whose checkpoint failed but left the sandbox alive goes back to running.
     S.PAUSING: frozenset({S.PAUSED, S.RUNNING, S.KILLING}),
     S.PAUSED: frozenset({S.RESUMING, S.KILLING}),
@@ -100,8 +105,11 @@ STARTS_FROM: dict[str, frozenset[SandboxState]] = {
     "connect": frozenset({S.RUNNING, S.PAUSED}),
     "snapshot": frozenset({S.RUNNING}),
     "fork": frozenset({S.RUNNING}),
+    "rollback": frozenset({S.RUNNING}),
     "set_timeout": frozenset({S.RUNNING, S.PAUSED}),
     "refresh": frozenset({S.RUNNING}),
+    # The outbound policy of a running sandbox changes in place (paused ones: 409, as in E2B).
+    "update_network": frozenset({S.RUNNING}),
     # Within "paused": the frozen tier moves to disk (the API shows both tiers as paused).
     "move_to_disk": frozenset({S.PAUSED}),
 }
@@ -129,9 +137,13 @@ class CreateRequest:
     secure: bool
     allow_internet_access: bool | None
     auto_pause: bool = False
+    #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
+    auto_pause_memory: bool = True
     auto_resume: bool = False
     allow_public_traffic: bool = True
     network: dict[str, object] | None = None
+    #: ``network.allowOut``/``denyOut`` as enforced (None: the defaults only).
+    egress: EgressPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,11 @@ class Route:
     address: str
     envd_url: str
     traffic_access_token: str | None
+    #: ``network.maskRequestHost``: the Host the sandbox sees (``${PORT}`` expanded by the proxy).
+    mask_request_host: str | None = None
+    #: envd's token (secure sandboxes): a signed file URL without routing headers is routed to
+    #: the sandbox whose token signs it (the SDK's ``download_url`` with ``E2B_SANDBOX_URL``).
+    envd_access_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +204,10 @@ def conflict(rec: SandboxRecord, op: str) -> Conflict:
     if STARTS_FROM[op] == {S.RUNNING}:
         return Conflict(f"sandbox {rec.sandbox_id} is {rec.state}, not running")
     return Conflict(f"cannot {op.replace('_', ' ')} sandbox {rec.sandbox_id}: it is {rec.state}")
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def failure(exc: BaseException, what: str) -> BaseException:
@@ -246,6 +267,11 @@ class Orchestrator:
         self.telemetry = telemetry
         self._locks: dict[str, asyncio.Lock] = {}
         self._routes: dict[str, Route] = {}
+        #: Per running sandbox, the task waiting for its processes to die (:meth:`_watch`).
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        #: Called with a sandbox's id when it stops being reachable (kill, pause, death,
+        #: snapshot): the API layer ends the streams its proxy has open to it.
+        self._detach_listeners: list[Callable[[str], None]] = []
         self._metrics: dict[str, list[MetricSample]] = {}
         self._idempotency: dict[str, str] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -275,6 +301,9 @@ class Orchestrator:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        for watcher in self._watchers.values():  # the sandboxes run on; a restart re-watches
+            watcher.cancel()
+        self._watchers.clear()
         await self.background.drain(CLOSE_GRACE_SECONDS)
         await self.envd.close()
         await self.store.close()
@@ -291,7 +320,9 @@ class Orchestrator:
             else:
                 log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
                 with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
-                    await self._destroy(rec, reason=f"server restart found it {rec.state} but not alive")
+                    await self._destroy(
+                        rec, reason=f"server restart found it {rec.state} but not alive", release_now=True
+                    )
         for rec in await self.store.in_states((S.PAUSED,)):
             await self._recover_paused(rec)
         keep = {r.sandbox_id for r in await self.store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
@@ -308,7 +339,7 @@ class Orchestrator:
         """A frozen sandbox outlives the server (its processes stay, frozen); one a crash caught
         moving to disk is frozen again if it still runs, or takes the pause snapshot that
         checkpoint committed; one whose processes are gone (a host reboot) is lost."""
-        if rec.pause_tier == "disk":
+        if rec.pause_tier in ("disk", "filesystem"):  # nothing of it runs; its disk is kept
             return
         alive = await self._is_alive(rec)
         if alive and rec.pause_tier == "frozen":
@@ -326,7 +357,7 @@ class Orchestrator:
             log.info("recovery: paused sandbox %s is on disk (%s)", rec.sandbox_id, rec.pause_snapshot)
             return
         with contextlib.suppress(Failed):
-            await self._destroy(rec, reason="server restart found the frozen sandbox gone")
+            await self._destroy(rec, reason="server restart found the frozen sandbox gone", release_now=True)
 
     async def _is_alive(self, rec: SandboxRecord) -> bool:
         if rec.instance is None:
@@ -384,14 +415,69 @@ class Orchestrator:
             address=rec.instance.address,
             envd_url=rec.instance.envd_url,
             traffic_access_token=rec.traffic_access_token,
+            envd_access_token=rec.envd_access_token,
+            mask_request_host=_str_or_none(rec.network.get("maskRequestHost")),
         )
+        self._watch(rec)
 
     def _detach(self, sandbox_id: str) -> None:
         self._routes.pop(sandbox_id, None)
         self._metrics.pop(sandbox_id, None)
+        watcher = self._watchers.pop(sandbox_id, None)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()  # what stops the sandbox now is an operation of ours
+        for listener in self._detach_listeners:
+            try:
+                listener(sandbox_id)
+            except Exception:
+                log.exception("detach listener failed for %s", sandbox_id)
+
+    def add_detach_listener(self, listener: Callable[[str], None]) -> None:
+        """Have ``listener(sandbox_id)`` called whenever a sandbox stops being reachable."""
+        self._detach_listeners.append(listener)
+
+    # -- dead-sandbox detection ----------------------------------------------------------------
+
+    def _watch(self, rec: SandboxRecord) -> None:
+        """Wait (a pidfd or the like, not polling) for the running sandbox's processes to die.
+        Every operation that stops it on purpose detaches it first, which cancels the wait."""
+        assert rec.instance is not None
+        old = self._watchers.pop(rec.sandbox_id, None)
+        if old is not None:
+            old.cancel()
+        self._watchers[rec.sandbox_id] = asyncio.create_task(
+            self._await_death(rec.sandbox_id, rec.instance), name=f"watch-{rec.sandbox_id}"
+        )
+
+    async def _await_death(self, sandbox_id: str, instance: SandboxInstance) -> None:
+        try:
+            reason = await self.runtimes.named(instance.runtime).wait_exit(instance)
+        except Exception as exc:  # cannot watch: the sandbox is found dead on its next use
+            log.warning("cannot watch sandbox %s for its death: %s", sandbox_id, exc)
+            return
+        if reason is not None:
+            await self._died(sandbox_id, instance, reason)
+
+    async def _died(self, sandbox_id: str, instance: SandboxInstance, reason: str) -> None:
+        """Record a death nobody asked for: killed with the reason in its logs, its network and
+        disk freed (``_destroy``); the API then reports it gone, as E2B does (404)."""
+        async with self._lock(sandbox_id):
+            if self._watchers.get(sandbox_id) is asyncio.current_task():
+                del self._watchers[sandbox_id]
+            rec = await self.store.get(sandbox_id)
+            if rec is None or rec.state != S.RUNNING or rec.instance != instance:
+                return  # an operation of ours replaced or stopped it meanwhile
+            log.warning("sandbox %s died: %s", sandbox_id, reason)
+            await self.logs.event(sandbox_id, "error", f"sandbox died: {reason}")
+            with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
+                await self._destroy(rec, reason=f"its processes died ({reason})")
 
     def route(self, sandbox_id: str) -> Route | None:
         return self._routes.get(sandbox_id)
+
+    def routes(self) -> list[Route]:
+        """The routes of every reachable sandbox."""
+        return list(self._routes.values())
 
     @staticmethod
     def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
@@ -401,6 +487,7 @@ class Orchestrator:
             envs=rec.envs,
             allow_internet_access=rec.allow_internet_access is not False,
             envd_access_token=rec.envd_access_token,
+            egress=rec.egress,
         )
 
     # -- bringing a sandbox up: create, restore, claim, fork child -----------------------------
@@ -527,7 +614,13 @@ class Orchestrator:
         if isinstance(source, Boot):
             return await runtime.create(spec)
         if isinstance(source, Restore):
-            return await runtime.restore(spec, self.catalog.ref(source.row))
+            # use(): what this node lacks of the snapshot is fetched from the snapshot store first.
+            async with self.catalog.use(source.row) as ref:
+                return await runtime.restore(spec, ref)
+        if spec.egress is not None:  # pooled with the defaults: its policy before anyone uses it
+            await runtime.update_network(
+                source.instance, allow_internet_access=spec.allow_internet_access, egress=spec.egress
+            )
         return source.instance
 
     async def _go_live(self, rec: SandboxRecord, timeout_seconds: int) -> None:
@@ -579,8 +672,10 @@ class Orchestrator:
             traffic_access_token=None if req.allow_public_traffic else new_access_token(),
             allow_internet_access=req.allow_internet_access,
             auto_pause=req.auto_pause,
+            auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
             network=dict(req.network or {}),
+            egress=req.egress,
             origin=origin,
             restored_from=restored_from,
             memory_base=restored_from,
@@ -659,8 +754,15 @@ class Orchestrator:
         """The node's metrics in Prometheus' text format (the API's ``/metrics``)."""
         return self.telemetry.exposition(await self.store.in_states((*LIVE_STATES, S.PAUSED)))
 
-    async def _destroy(self, rec: SandboxRecord, *, reason: str) -> None:
-        """Tear the sandbox down and mark it killed (caller holds the lock, or it is recovery)."""
+    async def _destroy(self, rec: SandboxRecord, *, reason: str, release_now: bool = False) -> None:
+        """Stop the sandbox, mark it killed, then free what it held (caller holds the lock, or it
+        is recovery).
+
+        Only the stop is waited for: once ``Runtime.halt`` returns, nothing of the sandbox runs
+        or answers. Its network, disk, cgroup and pause snapshot are released in the background
+        (``release_now`` waits, for recovery, which sweeps orphans right after): those steps
+        were 80 % of a kill's time and nobody waits on them. A crash before they finish leaves
+        no record naming them, so start-up's ``cleanup_orphans`` and snapshot sweep remove them."""
         self._detach(rec.sandbox_id)
         try:
             await self.logs.collect(rec)  # the files go away with the sandbox
@@ -668,19 +770,36 @@ class Orchestrator:
             log.warning("collecting the logs of %s failed: %s", rec.sandbox_id, exc)
         await self._enter(rec, S.KILLING)
         instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
+        runtime = self._runtime(rec)
         try:
-            await self._runtime(rec).kill(instance)
+            await (runtime.kill(instance) if release_now else runtime.halt(instance))
         except Exception as exc:
             await self.logs.event(rec.sandbox_id, "error", f"kill failed: {exc}")
             raise Failed(f"killing sandbox {rec.sandbox_id} failed: {exc}") from exc
-        if rec.pause_snapshot:
-            await self.catalog.delete(rec.pause_snapshot)
-            rec.pause_snapshot = None
+        pause_snapshot, rec.pause_snapshot = rec.pause_snapshot, None
         rec.end_at = min(rec.end_at, utcnow())
         await self._enter(rec, S.KILLED)
         self.logs.forget(rec.sandbox_id)
         await self.logs.event(rec.sandbox_id, "info", f"sandbox killed: {reason}")
-        self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+        release = self._release(runtime, instance, pause_snapshot, runtime_done=release_now)
+        if release_now:
+            await release
+        else:
+            self.background.spawn(release, name=f"release-{rec.sandbox_id}")
+
+    async def _release(
+        self, runtime: Runtime, instance: SandboxInstance, pause_snapshot: str | None, *, runtime_done: bool
+    ) -> None:
+        """Free what a killed sandbox held: its runtime resources (unless ``runtime_done``), its
+        pause snapshot, then the disk layers nothing uses any more."""
+        if not runtime_done:
+            try:
+                await runtime.kill(instance)
+            except Exception as exc:  # no record names it now: start-up's orphan sweep retries
+                log.warning("releasing killed sandbox %s failed: %s", instance.sandbox_id, exc)
+        if pause_snapshot:
+            await self.catalog.delete(pause_snapshot)
+        await self.catalog.collect_garbage(self.runtimes)
 
     async def set_timeout(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
         """The sandbox now expires ``timeout_seconds`` from now (shorter or longer)."""
@@ -694,6 +813,39 @@ class Orchestrator:
         async with self._operate(sandbox_id, "refresh") as rec:
             rec.end_at = max(rec.end_at, utcnow() + dt.timedelta(seconds=duration_seconds))
             await self.store.save(rec)
+            return rec
+
+    async def update_network(
+        self,
+        sandbox_id: str,
+        *,
+        egress: EgressPolicy,
+        allow_internet_access: bool | None,
+        dns_servers: list[str] | None = None,
+    ) -> SandboxRecord:
+        """Replace a running sandbox's outbound policy (E2B's ``PUT /sandboxes/{id}/network``:
+        what the update leaves out is cleared). The rules change first, then the record, so a
+        record never claims a policy the sandbox does not have; both survive pause, snapshot,
+        fork and restart (every restore builds its network from the record)."""
+        async with self._operate(sandbox_id, "update_network") as rec:
+            assert rec.instance is not None
+            await self._runtime(rec).update_network(
+                rec.instance, allow_internet_access=allow_internet_access is not False, egress=egress
+            )
+            rec.egress = egress if egress.allow_out or egress.deny_out else None
+            rec.allow_internet_access = allow_internet_access
+            rec.network = {k: v for k, v in rec.network.items() if k != "dnsServers"}
+            if dns_servers is not None:
+                rec.network["dnsServers"] = list(dns_servers)
+            await self.store.save(rec)
+            await self.logs.event(
+                sandbox_id,
+                "info",
+                "network policy updated",
+                allow_out=",".join(egress.allow_out),
+                deny_out=",".join(egress.deny_out),
+                internet="off" if allow_internet_access is False else "on",
+            )
             return rec
 
     async def _reap_forever(self) -> None:
@@ -727,7 +879,7 @@ class Orchestrator:
                     return
                 if rec.auto_pause:
                     await self.logs.event(sandbox_id, "info", "timeout reached: pausing (autoPause)")
-                    await self._pause_locked(rec)
+                    await self._pause_locked(rec, memory=rec.auto_pause_memory)
                 else:
                     await self._destroy(rec, reason="timeout reached")
         except NotFound:
@@ -737,14 +889,18 @@ class Orchestrator:
 
     # -- pause and resume ----------------------------------------------------------------------
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
         async with self._operate(sandbox_id, "pause") as rec:
-            await self._pause_locked(rec)
+            await self._pause_locked(rec, memory=memory)
 
-    async def _pause_locked(self, rec: SandboxRecord) -> None:
+    async def _pause_locked(self, rec: SandboxRecord, *, memory: bool = True) -> None:
         """Freeze in place (the first tier) where the runtime can, else checkpoint to disk. A
-        frozen sandbox is moved to disk later by :meth:`_move_to_disk`."""
+        frozen sandbox is moved to disk later by :meth:`_move_to_disk`. ``memory=False`` (E2B's
+        filesystem-only pause): :meth:`_pause_filesystem`."""
         assert rec.instance is not None
+        if not memory:
+            await self._pause_filesystem(rec)
+            return
         self._detach(rec.sandbox_id)
         await self._enter(rec, S.PAUSING)
         started = time.monotonic()
@@ -758,6 +914,46 @@ class Orchestrator:
             raise_failure(exc, f"pausing sandbox {rec.sandbox_id}")
         rec.pause_snapshot = row.snapshot_id
         await self._paused(rec, "disk", started)
+
+    async def _pause_filesystem(self, rec: SandboxRecord) -> None:
+        """Processes end, files stay: envd flushes the root, the runtime stops the sandbox and
+        keeps its disk; a resume boots it afresh over that disk (:meth:`_boot_kept_disk`). A
+        sandbox whose envd does not answer is not paused (E2B requires a responding guest)."""
+        assert rec.instance is not None
+        runtime = self._runtime(rec)
+        await self.envd.fsfreeze(rec.instance, rec.envd_access_token)  # Unavailable: still running
+        self._detach(rec.sandbox_id)
+        await self._enter(rec, S.PAUSING)
+        started = time.monotonic()
+        try:
+            rec.instance = await runtime.stop_keep_disk(rec.instance)
+        except NotSupported:
+            await self._enter(rec, S.RUNNING)  # nothing was stopped
+            self._attach(rec)
+            raise
+        except Exception as exc:
+            await self._after_failed_snapshot(rec, exc)
+            raise_failure(exc, f"pausing sandbox {rec.sandbox_id} (filesystem only)")
+        await self._paused(rec, "filesystem", started)
+
+    async def _boot_kept_disk(self, rec: SandboxRecord) -> None:
+        """The resume of a filesystem-only pause: a fresh boot (new kernel, new boot id, no
+        processes) from the template the sandbox's disk stands on, then ``/init``."""
+        assert rec.instance is not None
+        rootfs = rec.instance.state.get("template_rootfs")  # what the kept disk stands on
+        image = (
+            TemplateImage(
+                template_id=rec.template_id,
+                rootfs=Path(str(rootfs)),
+                vcpus=rec.cpu_count,
+                memory_mb=rec.memory_mb,
+                disk_mb=rec.disk_mb,
+            )
+            if rootfs
+            else templates.load(rec.template_id, self.settings).image
+        )
+        rec.instance = await self._runtime(rec).boot_kept_disk(self._spec(rec, image), rec.instance)
+        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
 
     async def _freeze(self, rec: SandboxRecord) -> bool:
         """Whether the sandbox is now frozen; False (checkpoint it instead) when the runtime cannot."""
@@ -804,17 +1000,20 @@ class Orchestrator:
             return rec, False
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_seconds: int) -> SandboxRecord:
-        """Thaw a frozen sandbox, or restore one from its pause snapshot on disk."""
+        """Thaw a frozen sandbox, restore one from its pause snapshot on disk, or boot one paused
+        filesystem-only afresh over its kept disk."""
         tier = rec.pause_tier
         row = None
-        if tier != "frozen":
+        if tier not in ("frozen", "filesystem"):
             row = await self.catalog.get(rec.pause_snapshot or "")
             if row is None:
                 raise Gone(f"the pause snapshot of sandbox {rec.sandbox_id} is missing")
         await self._enter(rec, S.RESUMING)
         started = time.monotonic()
         try:
-            if row is None:
+            if tier == "filesystem":
+                await self._boot_kept_disk(rec)
+            elif row is None:
                 await self._thaw(rec)
             else:
                 await self._restore_in_place(rec, row)
@@ -913,14 +1112,18 @@ class Orchestrator:
             rec, reason=f"moving the paused sandbox to disk failed and it did not survive: {exc}"
         )
 
-    async def _restore_in_place(self, rec: SandboxRecord, row: SnapshotRow) -> None:
+    async def _restore_in_place(
+        self, rec: SandboxRecord, row: SnapshotRow, *, rollback: bool = False
+    ) -> None:
         """Bring ``rec`` back from ``row`` with its own id, address and network (resume, a fork's
-        parent, recovery's revive)."""
-        rec.instance = await self._runtime(rec).restore(
-            self._spec(rec, self._image_of(rec, row)), self.catalog.ref(row)
-        )
+        parent, recovery's revive), or with its own id only (a rollback: its instance is gone).
+        A rollback's snapshot may be another sandbox's: its envd holds that one's token, which
+        ``/init`` then replaces with ``rec``'s."""
+        async with self.catalog.use(row) as ref:
+            rec.instance = await self._runtime(rec).restore(self._spec(rec, self._image_of(rec, row)), ref)
         rec.memory_base = row.snapshot_id
-        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+        current = SnapshotMeta.of(row).envd_access_token if rollback else None
+        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token, current_token=current)
 
     def _image_of(self, rec: SandboxRecord, row: SnapshotRow) -> TemplateImage:
         """The template ``rec`` stands on: the built template, else as the snapshot recorded it
@@ -1002,6 +1205,69 @@ class Orchestrator:
         await self.catalog.delete(row.snapshot_id)
         await self.catalog.collect_garbage(self.runtimes)
 
+    # -- rollback (our extension: POST /sandboxes/{id}/rollback) --------------------------------
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        """Put a running sandbox back to a user snapshot in place: its memory, processes and disk
+        become the snapshot's; its id, timeout, metadata, env vars and access tokens stay.
+
+        The running instance is killed and the snapshot restored under the same id (a restore
+        needs the id's container, cgroup and network names free), then envd is re-initialised.
+        Everything that can refuse is checked before the kill; a failure after it cannot bring
+        the old state back, so its undo destroys the sandbox (as a failed resume does)."""
+        started = time.monotonic()
+        async with self._operate(sandbox_id, "rollback") as rec:
+            row = await self._rollback_target(rec, snapshot_id)
+            assert rec.instance is not None
+            old = rec.instance
+            undo = Undo(f"rolling back sandbox {sandbox_id}")
+            self._detach(sandbox_id)
+            await self._enter(rec, S.RESUMING)
+            undo.push("sandbox", lambda: self._destroy(rec, reason=f"rollback to {row.snapshot_id} failed"))
+            try:
+                await self._runtime(rec).kill(old)
+                await self._restore_in_place(rec, row, rollback=True)
+                await self._enter(rec, S.RUNNING)
+                self._attach(rec)
+                undo.commit()
+            except BaseException as exc:
+                await undo.rollback()
+                raise_failure(exc, f"rollback of sandbox {sandbox_id}")
+        self.telemetry.observe("rollback", "", time.monotonic() - started)
+        await self.logs.event(
+            sandbox_id,
+            "info",
+            f"sandbox rolled back to snapshot {row.snapshot_id}",
+            snapshot=row.snapshot_id,
+            duration_ms=str(elapsed_ms(started)),
+        )
+        return rec
+
+    async def _rollback_target(self, rec: SandboxRecord, snapshot_id: str) -> SnapshotRow:
+        """The user snapshot ``rec`` may roll back to: one of the same runtime and template root
+        file system (the sandbox keeps its template), whose envd token ``/init`` can replace."""
+        row = await self.catalog.find_user_snapshot(snapshot_id)
+        if row is None:
+            raise NotFound(f"snapshot '{snapshot_id}' not found")
+        meta = SnapshotMeta.of(row)
+        assert rec.instance is not None
+        if row.runtime != rec.runtime:
+            raise Invalid(
+                f"snapshot {row.snapshot_id} is of the {row.runtime} runtime, "
+                f"sandbox {rec.sandbox_id} of {rec.runtime}"
+            )
+        if meta.template_rootfs != rec.instance.state.get("template_rootfs"):
+            raise Invalid(
+                f"snapshot {row.snapshot_id} was taken of a sandbox on another template than "
+                f"sandbox {rec.sandbox_id}'s ({rec.template_id})"
+            )
+        if meta.envd_access_token and not rec.envd_access_token:
+            raise Invalid(
+                f"snapshot {row.snapshot_id} is of a secured sandbox (envd access token); "
+                f"sandbox {rec.sandbox_id} is not secured"
+            )
+        return row
+
     # -- fork ----------------------------------------------------------------------------------
 
     async def fork(self, sandbox_id: str, count: int, timeout_seconds: int) -> list[ForkOutcome]:
@@ -1061,6 +1327,7 @@ class Orchestrator:
             allow_internet_access=parent.allow_internet_access,
             allow_public_traffic=parent.traffic_access_token is None,
             network=dict(parent.network or {}),
+            egress=parent.egress,
         )
         async with gate:
             try:
@@ -1083,8 +1350,18 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
     """The composition root: the lifecycle owner and its collaborators for one node."""
     runtimes = RuntimeSet(settings, runtime)
     store = SandboxStore(settings.db_path)
-    catalog = SnapshotCatalog(settings.data_dir)
     background = Background()
+    catalog = SnapshotCatalog(
+        settings.data_dir,
+        durable=DurableSnapshots(
+            settings.data_dir,
+            settings.s3,
+            templates_dir=settings.templates_dir,
+            objects=SnapshotObjects.from_settings(settings.s3),
+            background=background,
+        ),
+        runtimes=runtimes,
+    )
     return Orchestrator(
         settings,
         runtimes=runtimes,
@@ -1095,5 +1372,5 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
         background=background,
         envd=EnvdClient(),
         logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
-        telemetry=Telemetry(),
+        telemetry=Telemetry(settings.data_dir),
     )

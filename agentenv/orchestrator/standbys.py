@@ -73,7 +73,8 @@ class Standbys:
         row = self._rows[snapshot_id]
         image = SnapshotMeta.of(row).image(row.template_id)
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
-        return await self._runtimes.named(row.runtime).restore(spec, self._catalog.ref(row))
+        async with self._catalog.use(row) as ref:  # fetched first if its copy was evicted
+            return await self._runtimes.named(row.runtime).restore(spec, ref)
 
     async def _kill(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)

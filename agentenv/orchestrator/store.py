@@ -21,7 +21,7 @@ from typing import Any, Literal, cast
 
 import aiosqlite
 
-from agentenv.types import SandboxInstance, SandboxState
+from agentenv.types import EgressPolicy, SandboxInstance, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -53,7 +53,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     pause_tier TEXT,
     paused_at REAL,
     memory_base TEXT,
-    log_offsets TEXT NOT NULL DEFAULT '{}'
+    log_offsets TEXT NOT NULL DEFAULT '{}',
+    egress TEXT,
+    auto_pause_memory INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS sandbox_logs (
@@ -76,6 +78,8 @@ ADDED_COLUMNS = (
     ("paused_at", "REAL"),
     ("memory_base", "TEXT"),
     ("log_offsets", "TEXT NOT NULL DEFAULT '{}'"),
+    ("egress", "TEXT"),
+    ("auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),
 )
 
 #: States in which a record still owns host resources (recovery re-attaches or cleans them).
@@ -95,8 +99,10 @@ LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
 Origin = Literal["boot", "template", "warm_pool", "snapshot", "standby", "fork"]
 
 #: Where a paused sandbox is: ``frozen`` in place (memory kept, resumes in milliseconds),
-#: ``moving`` to disk (its checkpoint under way), or on ``disk`` (checkpointed, memory freed).
-PauseTier = Literal["frozen", "moving", "disk"]
+#: ``moving`` to disk (its checkpoint under way), or on ``disk`` (checkpointed, memory freed);
+#: ``filesystem``: E2B's ``memory: false`` pause (processes ended, only the disk kept; a resume
+#: boots afresh over it).
+PauseTier = Literal["frozen", "moving", "disk", "filesystem"]
 
 
 def _ts(value: dt.datetime) -> float:
@@ -128,6 +134,8 @@ class SandboxRecord:
     traffic_access_token: str | None = None
     allow_internet_access: bool | None = None
     auto_pause: bool = False
+    #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
+    auto_pause_memory: bool = True
     auto_resume: bool = False
     network: dict[str, Any] = field(default_factory=dict)
     origin: Origin = "boot"
@@ -143,6 +151,9 @@ class SandboxRecord:
     memory_base: str | None = None
     #: Bytes of each runtime log file already moved into the sandbox's logs.
     log_offsets: dict[str, int] = field(default_factory=dict)
+    #: Outbound rules beyond the defaults (``network.allowOut``/``denyOut``, as enforced; None:
+    #: the defaults). Kept here so that every restore (resume from disk, a restart) re-applies them.
+    egress: EgressPolicy | None = None
     seq: int = 0
 
 
@@ -175,6 +186,8 @@ _COLUMNS = (
     "paused_at",
     "memory_base",
     "log_offsets",
+    "egress",
+    "auto_pause_memory",
 )
 
 
@@ -208,6 +221,8 @@ def _to_row(rec: SandboxRecord) -> tuple[Any, ...]:
         _ts(rec.paused_at) if rec.paused_at else None,
         rec.memory_base,
         json.dumps(rec.log_offsets),
+        json.dumps(asdict(rec.egress)) if rec.egress else None,
+        int(rec.auto_pause_memory),
     )
 
 
@@ -244,7 +259,16 @@ def _from_row(row: aiosqlite.Row) -> SandboxRecord:
         paused_at=_dt(row["paused_at"]) if row["paused_at"] is not None else None,
         memory_base=row["memory_base"],
         log_offsets=json.loads(row["log_offsets"]),
+        egress=_egress(row["egress"]),
+        auto_pause_memory=bool(row["auto_pause_memory"]),
     )
+
+
+def _egress(raw: str | None) -> EgressPolicy | None:
+    if not raw:
+        return None
+    data = json.loads(raw)
+    return EgressPolicy(allow_out=tuple(data.get("allow_out", ())), deny_out=tuple(data.get("deny_out", ())))
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass
 
 from agentenv.config import Settings
+from agentenv.errors import Failed, Gone, Unavailable
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from agentenv.orchestrator.envd_exec import EnvdExec, start_and_wait_ready
 from agentenv.orchestrator.ids import new_sandbox_id
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.runtimes import RuntimeSet
@@ -50,6 +52,7 @@ class TemplateSnapshots:
         self._known: dict[str, TemplateSnapshot] = {}
         self._building: set[str] = set()
         self._envd_hash: str | None = None
+        self._envd = EnvdExec()
         self.pool = WarmPool(
             min(settings.warm_pool_low, settings.warm_pool_high),
             settings.warm_pool_high,
@@ -97,22 +100,58 @@ class TemplateSnapshots:
 
     async def _build(self, key: str, info: templates.TemplateInfo, runtime: Runtime) -> None:
         try:
-            row = await self._take(key, info.image, runtime)
+            row = await self._take(key, info, runtime)
         finally:
             self._building.discard(key)
         self._known[key] = TemplateSnapshot(key, row, info.image, runtime)
         for old in await self._catalog.rows("template"):
             if old.template_id == row.template_id and old.runtime == row.runtime and old.name != key:
                 await self.drop(TemplateSnapshot(old.name or "", old, info.image, runtime))
-        if info.image.template_id in self._settings.warm_pool_templates:
+        if info.image.template_id in self._settings.warm_pool_templates or info.pooled:
             self.pool.fill(key)
 
-    async def _take(self, key: str, image: TemplateImage, runtime: Runtime) -> SnapshotRow:
-        """Boot a sandbox of the template, snapshot it with envd answering, remove it."""
+    async def make(self, info: templates.TemplateInfo, runtime: Runtime) -> None:
+        """Make the template's snapshot now (a template build's last step), failing as its
+        start or ready command does. With template snapshots off, nothing to make."""
+        if not self._settings.template_snapshots:
+            return
+        key = self.key(info, runtime)
+        self._building.add(key)
+        await self._build(key, info, runtime)
+
+    async def sandbox_of(
+        self, info: templates.TemplateInfo, runtime: Runtime, spec: SandboxSpec
+    ) -> SandboxInstance:
+        """A sandbox of the template with no registry row (a template build's): restored from
+        the template's snapshot when it has one (a fraction of a boot), else booted."""
+        snap = await self.lookup(info, runtime)
+        if snap is not None:
+            try:
+                return await runtime.restore(spec, self._catalog.ref(snap.row))
+            except (Failed, Unavailable, Gone) as exc:
+                log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
+        return await runtime.create(spec)
+
+    async def forget(self, template_id: str) -> None:
+        """Drop every snapshot of a deleted template, and its warm pool."""
+        for row in await self._catalog.rows("template"):
+            if row.template_id == template_id:
+                snap = self._known.get(row.name or "")
+                if snap is not None:
+                    await self.drop(snap)
+                else:
+                    await self._catalog.delete(row.snapshot_id)
+
+    async def _take(self, key: str, info: templates.TemplateInfo, runtime: Runtime) -> SnapshotRow:
+        """Boot a sandbox of the template, start its start command (once its ready command
+        passes), snapshot it with envd answering, remove it."""
+        image = info.image
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
         started = time.monotonic()
         instance = await runtime.create(spec)
         try:
+            if info.start is not None:
+                await start_and_wait_ready(self._envd, instance, image.rootfs, info.start)
             meta = SnapshotMeta(
                 template_rootfs=str(image.rootfs),
                 cpu_count=image.vcpus,
@@ -140,7 +179,8 @@ class TemplateSnapshots:
         (a claim's ``/init`` sets them)."""
         snap = self._known[key]
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image)
-        return await snap.runtime.restore(spec, self._catalog.ref(snap.row))
+        async with self._catalog.use(snap.row) as ref:  # fetched first if its copy was evicted
+            return await snap.runtime.restore(spec, ref)
 
     async def _kill_pooled(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)
@@ -163,3 +203,4 @@ class TemplateSnapshots:
 
     async def close(self) -> None:
         await self.pool.close()
+        await self._envd.close()

@@ -23,10 +23,39 @@ class TemplateNotFound(NotFound):
 
 
 @dataclass(frozen=True)
+class StartCommand:
+    """A built template's start command, running in its snapshot once ``ready_cmd`` passes
+    (E2B's ``set_start_cmd``); as the build's last user, in its last work dir, with its envs."""
+
+    start_cmd: str | None
+    ready_cmd: str | None
+    user: str
+    workdir: str
+    envs: dict[str, str]
+
+    @classmethod
+    def of(cls, meta: dict[str, object]) -> StartCommand | None:
+        start, ready = meta.get("start_cmd"), meta.get("ready_cmd")
+        if not start and not ready:
+            return None
+        envs = meta.get("envs")
+        return cls(
+            start_cmd=str(start) if start else None,
+            ready_cmd=str(ready) if ready else None,
+            user=str(meta.get("user") or "user"),
+            workdir=str(meta.get("workdir") or "/home/user"),
+            envs={str(k): str(v) for k, v in envs.items()} if isinstance(envs, dict) else {},
+        )
+
+
+@dataclass(frozen=True)
 class TemplateInfo:
     image: TemplateImage
     created_at: dt.datetime
     build_id: str
+    start: StartCommand | None = None
+    #: Built through the build API: gets a warm pool like the templates the settings name.
+    pooled: bool = False
 
 
 def load(template_id: str, settings: Settings) -> TemplateInfo:
@@ -42,16 +71,26 @@ def _info(image: TemplateImage) -> TemplateInfo:
     tdir = image.rootfs.parent
     meta_path = tdir / storage.METADATA_FILE
     created = dt.datetime.fromtimestamp(meta_path.stat().st_mtime, dt.UTC)
+    meta: dict[str, object] = {}
     try:
-        raw = json.loads(meta_path.read_text()).get("created_at")
-        if raw:
+        meta = json.loads(meta_path.read_text())
+        raw = meta.get("created_at")
+        if isinstance(raw, str) and raw:
             created = dt.datetime.fromisoformat(raw)
     except (OSError, ValueError):
         pass
-    # A stable build id per build: the completion marker's timestamp identifies the build.
-    marker: Path = tdir / storage.COMPLETE_MARKER
-    build_id = _uuid_from(marker.read_text().strip() if marker.exists() else image.template_id)
-    return TemplateInfo(image=image, created_at=created, build_id=build_id)
+    build_id = meta.get("build_id")
+    if not isinstance(build_id, str) or not build_id:
+        # Recipe builds have no build id: the completion marker's timestamp identifies the build.
+        marker: Path = tdir / storage.COMPLETE_MARKER
+        build_id = _uuid_from(marker.read_text().strip() if marker.exists() else image.template_id)
+    return TemplateInfo(
+        image=image,
+        created_at=created,
+        build_id=build_id,
+        start=StartCommand.of(meta),
+        pooled=bool(meta.get("warm_pool")),
+    )
 
 
 def _uuid_from(text: str) -> str:

@@ -15,7 +15,9 @@ from typing import ClassVar
 
 from agentenv.config import Settings
 from agentenv.errors import NotSupported
+from agentenv.runtime import network
 from agentenv.types import (
+    EgressPolicy,
     LiveSnapshots,
     RuntimeName,
     SandboxInstance,
@@ -47,6 +49,12 @@ class Runtime(abc.ABC):
         """Stop the sandbox and remove every process, mount, network namespace, cgroup and
         scratch file it owns. Idempotent: killing a dead or half-created sandbox succeeds."""
 
+    async def halt(self, instance: SandboxInstance) -> None:
+        """Stop every process of the sandbox now; ``kill`` frees the rest later. After it nothing
+        of the sandbox runs or answers; a kill request waits only for this. The default does
+        nothing (then ``kill`` does all of it in the background)."""
+        return None
+
     @abc.abstractmethod
     async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
         """Current resource usage."""
@@ -55,9 +63,32 @@ class Runtime(abc.ABC):
     async def is_alive(self, instance: SandboxInstance) -> bool:
         """Whether the sandbox's machine is still running (used on start-up recovery)."""
 
+    async def wait_exit(self, instance: SandboxInstance) -> str | None:
+        """Return once the sandbox's processes are gone by any cause other than this runtime's
+        own operations (an OOM kill, a crash, ``kill -9``), with what is known of why; None at
+        once where the runtime cannot watch (the lifecycle then learns of a death on next use).
+        The lifecycle cancels the wait before it stops the sandbox itself."""
+        return None
+
     @abc.abstractmethod
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove resources of sandboxes not in ``keep`` (crash recovery); return their ids."""
+
+    async def update_network(
+        self, instance: SandboxInstance, *, allow_internet_access: bool, egress: EgressPolicy | None
+    ) -> None:
+        """Replace a running sandbox's outbound policy in place (``network.update_egress``).
+        Every runtime keeps its :class:`~agentenv.runtime.network.SandboxNetwork` in
+        ``instance.state["network"]``; one that keeps none cannot."""
+        state = instance.state.get("network")
+        if not state:
+            raise NotSupported(f"sandbox {instance.sandbox_id} has no network of its own to update")
+        await network.update_egress(
+            self.settings,
+            network.SandboxNetwork.from_state(state),
+            allow_internet_access=allow_internet_access,
+            egress=egress,
+        )
 
     # -- memory-state lifecycle (pause/resume, snapshots, fork) -------------------------------
 
@@ -83,6 +114,25 @@ class Runtime(abc.ABC):
     async def thaw(self, instance: SandboxInstance) -> None:
         """Let a frozen sandbox run again; a sandbox that is not frozen is left as it is."""
         raise NotSupported(f"the {self.name} runtime cannot freeze a sandbox")
+
+    # -- the filesystem pause tier (E2B's ``memory: false``) ------------------------------------
+
+    async def stop_keep_disk(self, instance: SandboxInstance) -> SandboxInstance:
+        """End every process of the sandbox and free its memory, network and cgroups, keeping
+        its disk (its writable layer and the layers under it) for :meth:`boot_kept_disk`.
+        Returns the instance as kept: what :meth:`kill` needs to remove the disk later."""
+        raise NotSupported(f"the {self.name} runtime has no filesystem-only pause")
+
+    async def boot_kept_disk(self, spec: SandboxSpec, kept: SandboxInstance) -> SandboxInstance:
+        """Boot the sandbox afresh (new kernel, new boot id) from its template over the disk
+        :meth:`stop_keep_disk` kept. On failure the disk stays, so a kill still removes it."""
+        raise NotSupported(f"the {self.name} runtime has no filesystem-only pause")
+
+    async def export_root(self, instance: SandboxInstance, dest: Path) -> None:
+        """Copy the sandbox's root file system, as its processes see it, into the empty
+        directory ``dest`` (template builds: the build sandbox becomes a template's rootfs). The
+        caller has flushed it (``sync`` inside) and keeps it from writing meanwhile."""
+        raise NotSupported(f"the {self.name} runtime cannot export a root file system (template builds)")
 
     async def collect_garbage(self, live_snapshots: LiveSnapshots) -> list[str]:
         """Free shared disk layers that neither a sandbox of this runtime nor a committed snapshot

@@ -19,9 +19,29 @@ group of rules per sandbox, tagged ``ae-<sandbox_id>`` for removal:
 
 * replies on connections the host opened (the host talks to envd) are accepted;
 * anything else the sandbox sends to the host itself, or to another sandbox, is dropped;
-* with ``allow_internet_access`` the rest is forwarded and masqueraded (nat chain ``AGENTENV``
-  in POSTROUTING), without it every packet the sandbox tries to send onward is dropped;
+* the rest goes to the sandbox's own egress chain ``AEO-aeh<slot>`` (its policy, below) and,
+  when accepted there, is forwarded and masqueraded (nat chain ``AGENTENV`` in POSTROUTING);
 * nothing may open a forwarded connection into a sandbox.
+
+The egress chain (E2B's ``network.allowOut``/``denyOut`` and ``allow_internet_access``, in this
+order; the first match decides):
+
+1. ``allow_out`` networks: accepted (allow beats every deny, as in E2B);
+2. the default denials: link-local 169.254.0.0/16 (cloud metadata services), RFC 1918, CGNAT
+   100.64.0.0/10 and the networks of the node's own interfaces (its LAN neighbours): dropped;
+3. ``deny_out`` networks: dropped;
+4. everything else: accepted with internet access, dropped without (``allow_internet_access=False``
+   is ``deny_out=["0.0.0.0/0"]``, so ``allow_out`` still opens its exceptions).
+
+E2B drops private ranges even when ``allow_out`` names them; here an explicit ``allow_out`` opens
+them (a sandbox may be meant to reach a private service), which is our extension. The host itself
+and other sandboxes stay closed whatever the policy says (they are dropped before the chain).
+The chain is enforced on the host side of the veth, not inside the sandbox's netns: gVisor's
+netstack writes its packets straight onto the netns end of the veth (a packet socket), past
+the netns kernel's netfilter, so rules there would never see them; every runtime's packets cross
+the host side. A policy change replaces the chain's rules in one ``iptables-restore`` commit
+(declaring an existing chain flushes it in the same transaction), so no packet sees a half-made
+policy; connections already open stay open (replies match rule one of ``AGENTENV``), as in E2B.
 
 Cost: creates, restores and kills run this for every sandbox, often many at once, so each step
 is batched: a setup is one ``ip -batch`` on the host (netns, veth, host address), one in the
@@ -49,20 +69,30 @@ import errno
 import ipaddress
 import os
 import re
+import socket
 import subprocess
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
+
 from agentenv.config import Settings
 from agentenv.errors import Failed, Invalid, Unavailable
 from agentenv.storage.atomic import exclusive
+from agentenv.types import EgressPolicy
 
 NETNS_PREFIX = "ae-"
 HOST_IF_PREFIX = "aeh"
 SANDBOX_IF_PREFIX = "aes"
 CHAIN = "AGENTENV"
+#: Per-sandbox egress chains are named by the host interface (unique on the host, unlike slots).
+EGRESS_CHAIN_PREFIX = "AEO-"
+#: What a sandbox with internet access may not reach unless its ``allow_out`` names it.
+DEFAULT_DENIED = ("169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+#: ``allowOut``/``denyOut`` entries per list (each is one rule every new connection walks).
+MAX_POLICY_ENTRIES = 256
 NETNS_DIR = Path("/var/run/netns")
 #: Serialises creation of the shared chains and hooks among all agentenv processes on the host.
 GLOBAL_LOCK = Path("/run/agentenv-net.lock")
@@ -119,6 +149,81 @@ def slot_addresses(settings: Settings, slot: int) -> tuple[str, str]:
 
 def slot_count(settings: Settings) -> int:
     return int(ipaddress.ip_network(settings.sandbox_subnet).num_addresses // 4)
+
+
+# -- egress policy ------------------------------------------------------------------------------
+
+
+def _network_of(entry: object, field: str) -> str:
+    """``entry`` (an IPv4 address or CIDR block, host bits allowed as in E2B) as ``a.b.c.d/n``."""
+    if not isinstance(entry, str) or not entry.strip():
+        raise Invalid(f"invalid {field} entry {entry!r}: expected an IPv4 address or CIDR block")
+    text = entry.strip()
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        if field == "denyOut":
+            raise Invalid(f"invalid denied CIDR {text}") from None
+        if re.fullmatch(r"(\*\.)?[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.?", text):
+            raise Invalid(
+                f"domain names in allowOut ({text}) are not supported on this node: "
+                "use IPv4 addresses or CIDR blocks"
+            ) from None
+        raise Invalid(f"invalid allowOut entry {text!r}: expected an IPv4 address or CIDR block") from None
+    if net.version != 4:
+        raise Invalid(f"invalid {field} entry {text}: sandboxes have IPv4 only")
+    return str(net)
+
+
+def parse_egress(allow_out: list[str] | None, deny_out: list[str] | None) -> EgressPolicy:
+    """E2B's ``allowOut``/``denyOut`` as a policy; :class:`Invalid` names the first bad entry."""
+    lists = {"allowOut": allow_out or [], "denyOut": deny_out or []}
+    for field, entries in lists.items():
+        if len(entries) > MAX_POLICY_ENTRIES:
+            raise Invalid(f"{field} has {len(entries)} entries; at most {MAX_POLICY_ENTRIES} are allowed")
+    return EgressPolicy(
+        allow_out=tuple(dict.fromkeys(_network_of(e, "allowOut") for e in lists["allowOut"])),
+        deny_out=tuple(dict.fromkeys(_network_of(e, "denyOut") for e in lists["denyOut"])),
+    )
+
+
+def node_networks() -> list[str]:
+    """The IPv4 networks of the node's own interfaces (its LAN and whatever else it sits in),
+    except loopback and the sandboxes' links: denied by default like the private ranges."""
+    found: dict[str, None] = {}
+    for name, addrs in psutil.net_if_addrs().items():
+        if name == "lo" or name.startswith(HOST_IF_PREFIX):
+            continue
+        for addr in addrs:
+            if addr.family != socket.AF_INET or not addr.netmask:
+                continue
+            with contextlib.suppress(ValueError):
+                net = ipaddress.ip_network(f"{addr.address}/{addr.netmask}", strict=False)
+                if net.prefixlen > 0 and not net.is_loopback:
+                    found[str(net)] = None
+    return list(found)
+
+
+def egress_chain(net: SandboxNetwork) -> str:
+    return EGRESS_CHAIN_PREFIX + net.host_if
+
+
+def egress_rules(allow_internet_access: bool, policy: EgressPolicy | None) -> list[list[str]]:
+    """The rules of a sandbox's egress chain, in order (see the module docstring)."""
+    policy = policy or EgressPolicy()
+    denied = dict.fromkeys([*DEFAULT_DENIED, *node_networks(), *policy.deny_out])
+    rules = [["-d", cidr, "-j", "ACCEPT"] for cidr in policy.allow_out]
+    rules += [["-d", cidr, "-j", "DROP"] for cidr in denied]
+    rules.append(["-j", "ACCEPT" if allow_internet_access else "DROP"])
+    return rules
+
+
+def _egress_lines(net: SandboxNetwork, allow_internet_access: bool, policy: EgressPolicy | None) -> list[str]:
+    """Declare (create, or flush when it exists) and fill the egress chain: one transaction."""
+    chain = egress_chain(net)
+    return [f":{chain} - [0:0]"] + [
+        " ".join(["-A", chain, *rule]) for rule in egress_rules(allow_internet_access, policy)
+    ]
 
 
 # -- slots --------------------------------------------------------------------------------------
@@ -353,7 +458,7 @@ def _filter_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
         ["-i", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
         ["-i", hif, "-m", "addrtype", "--dst-type", "LOCAL", "-j", "DROP"],
         ["-i", hif, "-d", subnet, "-j", "DROP"],
-        ["-i", hif, "-j", "ACCEPT" if net.allow_internet_access else "DROP"],
+        ["-i", hif, "-j", egress_chain(net)],
         ["-o", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
         ["-o", hif, "-j", "DROP"],
     ]
@@ -361,8 +466,7 @@ def _filter_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
 
 
 def _nat_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
-    if not net.allow_internet_access:
-        return []
+    # Whatever the egress chain accepts leaves with the host's address; the chain filters.
     return [
         [
             "-s",
@@ -386,25 +490,30 @@ def sandbox_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[list[str]]
 
 
 def _rule_script(command: str, net: SandboxNetwork, subnet: str) -> Script:
-    return {
+    script = {
         table: [" ".join([command, CHAIN, *rule]) for rule in rules]
         for table, rules in sandbox_rules(net, subnet).items()
     }
+    if command == "-D":  # the jump is gone: the egress chain can go (emptied first)
+        script["filter"] += [f"-F {egress_chain(net)}", f"-X {egress_chain(net)}"]
+    return script
 
 
-def _add_script(net: SandboxNetwork, subnet: str) -> Script:
+def _add_script(net: SandboxNetwork, subnet: str, egress: list[str]) -> Script:
     """Append ``net``'s rules after checking the hooks: a table's commit fails as a whole when a
-    hook or chain is missing (flushed by someone since they were made, or never made)."""
+    hook or chain is missing (flushed by someone since they were made, or never made). The
+    egress chain (``egress``: its lines) is made first: the jump into it needs it."""
     script = _rule_script("-A", net, subnet)
+    script["filter"][:0] = egress
     for table, hook, rule in reversed(HOOKS):
         script[table].insert(0, " ".join(["-C", hook, *rule]))
     return script
 
 
-async def _add_rules(net: SandboxNetwork, settings: Settings) -> None:
-    if net.allow_internet_access:
-        _enable_ip_forward()
-    script = _add_script(net, settings.sandbox_subnet)
+async def _add_rules(net: SandboxNetwork, settings: Settings, egress: EgressPolicy | None) -> None:
+    _enable_ip_forward()
+    lines = _egress_lines(net, net.allow_internet_access, egress)
+    script = _add_script(net, settings.sandbox_subnet, lines)
     if not await _restore_queue().apply(script):
         # Commits are per table, so one may have gone through: remove it before trying again.
         await _delete_tagged_rules(net.netns)
@@ -417,8 +526,11 @@ def _tagged(line: str, tag: str) -> bool:
     return f"--comment {tag} " in line or f'--comment "{tag}" ' in line
 
 
-async def _delete_tagged_rules(tag: str, net: SandboxNetwork | None = None, subnet: str = "") -> None:
-    """Delete every rule tagged ``tag`` from the AGENTENV chains.
+async def _delete_tagged_rules(
+    tag: str, net: SandboxNetwork | None = None, subnet: str = "", chains: frozenset[str] = frozenset()
+) -> None:
+    """Delete every rule tagged ``tag`` from the AGENTENV chains, and the egress chains they jump
+    to (plus ``chains``, when they exist).
 
     With ``net`` its rules are deleted as they were made (no lookup); when that fails (some are
     gone, or were made with other settings) and without ``net`` they are looked up."""
@@ -428,15 +540,45 @@ async def _delete_tagged_rules(tag: str, net: SandboxNetwork | None = None, subn
         code, out = await run("iptables-save", check=False)
         if code != 0:
             return
-        deletes: Script = {table: [] for table in TABLES}
-        table = ""
-        for line in out.splitlines():
-            if line.startswith("*"):
-                table = line[1:].strip()
-            elif table in deletes and line.startswith(f"-A {CHAIN} ") and _tagged(line, tag):
-                deletes[table].append("-D" + line[2:])
+        deletes = _tagged_deletes(out, tag, {egress_chain(net)} | chains if net else set(chains))
         if not any(deletes.values()) or (await _iptables_restore(deletes, check=False))[0] == 0:
             return
+
+
+def _tagged_deletes(saved: str, tag: str, chains: set[str]) -> Script:
+    """From ``iptables-save`` output: deletes of the AGENTENV rules tagged ``tag``, then the
+    flush and removal of the egress chains they jump to (and of ``chains``) that exist."""
+    deletes: Script = {table: [] for table in TABLES}
+    existing: set[str] = set()
+    table = ""
+    for line in saved.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif table == "filter" and line.startswith(":" + EGRESS_CHAIN_PREFIX):
+            existing.add(line[1:].split()[0])
+        elif table in deletes and line.startswith(f"-A {CHAIN} ") and _tagged(line, tag):
+            deletes[table].append("-D" + line[2:])
+            found = re.search(rf"-j ({re.escape(EGRESS_CHAIN_PREFIX)}\S+)", line)
+            if found:
+                chains.add(found.group(1))
+    for chain in sorted(chains & existing):
+        deletes["filter"] += [f"-F {chain}", f"-X {chain}"]
+    return deletes
+
+
+async def update_egress(
+    settings: Settings, net: SandboxNetwork, *, allow_internet_access: bool, egress: EgressPolicy | None
+) -> None:
+    """Replace a live sandbox's egress policy: one commit, no moment without a policy. A
+    sandbox whose rules predate egress chains (made by an older agentenv) gets its rules
+    rebuilt instead."""
+    lines = _egress_lines(net, allow_internet_access, egress)
+    jump = " ".join(["-C", CHAIN, *_filter_rules(net, settings.sandbox_subnet)[3]])
+    if await _restore_queue().apply({"filter": [jump, *lines]}):
+        return
+    await _delete_tagged_rules(net.netns)
+    await ensure_chains()
+    await _iptables_restore(_add_script(net, settings.sandbox_subnet, lines))
 
 
 def _enable_ip_forward() -> None:
@@ -453,7 +595,7 @@ class _NetnsExists(NetworkError):
 
 
 async def setup_network(
-    settings: Settings, sandbox_id: str, *, allow_internet_access: bool
+    settings: Settings, sandbox_id: str, *, allow_internet_access: bool, egress: EgressPolicy | None = None
 ) -> SandboxNetwork:
     """Create the netns, link and filter rules of ``sandbox_id``; on failure nothing is left.
 
@@ -484,7 +626,7 @@ async def setup_network(
             netns_added = True
         await _configure_netns(net)
         rules_tried = True
-        await _add_rules(net, settings)
+        await _add_rules(net, settings, egress)
     except _NetnsExists:
         raise
     except BaseException:
@@ -563,7 +705,10 @@ async def _teardown(
     netns = netns_name(sandbox_id)
     slot = net.slot if net else claimed_slots(settings).get(sandbox_id)
     if rules != "none":
-        await _delete_tagged_rules(netns, net if rules == "known" else None, settings.sandbox_subnet)
+        # The egress chain is named by the host interface, which is ours while the slot is.
+        mine = slot is not None and _claimed_by(settings, slot) == sandbox_id
+        chains = frozenset({f"{EGRESS_CHAIN_PREFIX}{HOST_IF_PREFIX}{slot}"} if mine else ())
+        await _delete_tagged_rules(netns, net if rules == "known" else None, settings.sandbox_subnet, chains)
     lines = []
     if _netns_exists(netns):
         lines.append(f"netns del {netns}")

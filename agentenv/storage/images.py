@@ -555,3 +555,65 @@ def create_upper_drive(settings: Settings, images: GuestImages, dest: Path) -> P
     pool = ReflinkPool(settings.data_dir)
     pool.ensure()
     return pool.clone(images.upper_template, dest)
+
+
+# -- OCI images as template roots (template builds' ``fromImage``) -------------------------------
+
+
+@dataclass(frozen=True)
+class OciImageConfig:
+    """What a template build takes over from an image's config: its environment and work dir."""
+
+    env: dict[str, str]
+    workdir: str | None
+    user: str | None
+
+
+def oci_reference(image: str) -> str:
+    """``skopeo``'s ``docker://`` reference of an image name as Docker writes it: no registry
+    host means Docker Hub, a one-part name an official image (``python:3`` ->
+    ``docker.io/library/python:3``)."""
+    if not image or any(c.isspace() for c in image):
+        raise ImageError(f"invalid image name {image!r}")
+    first, _, rest = image.partition("/")
+    if not rest or not ("." in first or ":" in first or first == "localhost"):
+        image = f"docker.io/{image if rest else 'library/' + image}"
+    return "docker://" + image
+
+
+def _loopback_registry(reference: str) -> bool:
+    host = reference.removeprefix("docker://").split("/", 1)[0].rsplit(":", 1)[0]
+    return host in ("localhost", "127.0.0.1", "[::1]") or host.startswith("127.")
+
+
+def pull_image_rootfs(
+    image: str, dest: Path, work: Path, *, username: str | None = None, password: str | None = None
+) -> OciImageConfig:
+    """Pull ``image`` from its registry with skopeo into an OCI layout under ``work`` and unpack
+    it with umoci; its root file system becomes ``dest`` (which must not exist). Registries on
+    loopback are spoken to over plain HTTP (a local registry has no certificate), others over TLS."""
+    for tool in ("skopeo", "umoci"):
+        if shutil.which(tool) is None:
+            raise ImageError(f"{tool} is not installed (apt-get install {tool}; scripts/bootstrap.sh does)")
+    reference = oci_reference(image)
+    layout = work / "oci"
+    bundle = work / "bundle"
+    cmd = ["skopeo", "copy", "--quiet", "--retry-times", "2"]
+    if _loopback_registry(reference):
+        cmd.append("--src-tls-verify=false")
+    if username is not None:
+        cmd += ["--src-creds", f"{username}:{password or ''}"]
+    _run(*cmd, reference, f"oci:{layout}:image")
+    _run("umoci", "unpack", "--image", f"{layout}:image", str(bundle))
+    config = _bundle_config(bundle / "config.json")
+    os.rename(bundle / "rootfs", dest)
+    shutil.rmtree(work, ignore_errors=True)
+    return config
+
+
+def _bundle_config(path: Path) -> OciImageConfig:
+    """The image's environment, work dir and user, from the runtime config umoci generated."""
+    process = json.loads(path.read_text()).get("process", {})
+    env = dict(item.split("=", 1) for item in process.get("env", []) if "=" in item)
+    user = (process.get("user") or {}).get("username") or None
+    return OciImageConfig(env=env, workdir=process.get("cwd") or None, user=user)

@@ -178,9 +178,10 @@ class SnapshotStore:
         with contextlib.suppress(OSError):
             remove_dir(final_path(self.data_dir, snapshot_id))
 
-    async def sweep_incomplete(self) -> list[str]:
+    async def sweep_incomplete(self, keep_without_dir: set[str] | None = None) -> list[str]:
         """Remove temp dirs and committed dirs without a row (crash leftovers); rows whose
-        directory vanished are dropped too. Returns what was removed."""
+        directory vanished are dropped too, except ``keep_without_dir`` (snapshots the snapshot
+        store holds, whose local copy may have been evicted). Returns what was removed."""
         removed: list[str] = []
         root = snapshots_dir(self.data_dir)
         known = {r.snapshot_id for r in await self.rows()}
@@ -188,7 +189,7 @@ class SnapshotStore:
             if entry.name.startswith(TMP_PREFIX) or entry.name not in known:
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
-        for sid in known:
+        for sid in known - (keep_without_dir or set()):
             if not (root / sid).is_dir():
                 await self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", (sid,))
                 removed.append(sid)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentenv.config import Settings
 from agentenv.errors import AgentenvError, Failed, Invalid, NotFound
@@ -74,6 +75,8 @@ RECIPES: dict[str, TemplateRecipe] = {
             "bash",
             "coreutils",
             "python3",
+            # E2B's base template has a ``python`` command: Debian's python -> python3 link.
+            "python-is-python3",
             "git",
             "curl",
             "ca-certificates",
@@ -88,10 +91,26 @@ RECIPES: dict[str, TemplateRecipe] = {
 }
 
 
+TEMPLATE_ID_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+TAG_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+#: The tag a build gets when its name names none (E2B's).
+DEFAULT_TAG = "default"
+
+
 def template_dir(template_id: str, settings: Settings) -> Path:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", template_id):
+    if not re.fullmatch(TEMPLATE_ID_RE, template_id):
         raise InvalidTemplateId(f"invalid template id {template_id!r}")
     return settings.templates_dir / template_id
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """``name`` or ``name:tag`` -> (template id, tag or None), both checked."""
+    template_id, sep, tag = name.partition(":")
+    if not re.fullmatch(TEMPLATE_ID_RE, template_id) or (sep and not re.fullmatch(TAG_RE, tag)):
+        raise InvalidTemplateId(
+            f"invalid template name {name!r}: want <name> or <name>:<tag> of letters, digits, '.', '_', '-'"
+        )
+    return template_id, (tag if sep else None)
 
 
 def is_built(template_id: str, settings: Settings) -> bool:
@@ -100,8 +119,17 @@ def is_built(template_id: str, settings: Settings) -> bool:
 
 
 def load_template(template_id: str, settings: Settings) -> TemplateImage:
-    """The finished template, or :class:`TemplateNotBuilt` when it is not (completely) built."""
+    """The finished template, or :class:`TemplateNotBuilt` when it is not (completely) built.
+    ``name:tag`` names the template's build of that tag: only its newest build is kept, so a tag
+    of an older build is not found."""
+    template_id, tag = split_name(template_id)
     tdir = template_dir(template_id, settings)
+    if tag is not None and is_built(template_id, settings):
+        meta = read_metadata(template_id, settings)
+        current = meta.get("build_id")
+        tags = meta.get("tags") or {}
+        if tag not in tags or (current and tags[tag].get("build_id") != current):
+            raise TemplateNotBuilt(f"template {template_id!r} has no current build tagged {tag!r}")
     if not is_built(template_id, settings):
         raise TemplateNotBuilt(
             f"template {template_id!r} is not built (run: agentenv template build {template_id})"
@@ -115,6 +143,85 @@ def load_template(template_id: str, settings: Settings) -> TemplateImage:
         disk_mb=int(meta.get("disk_mb", 4096)),
         runtime=meta.get("runtime"),
     )
+
+
+def read_metadata(template_id: str, settings: Settings) -> dict[str, Any]:
+    """``template.json`` of a built template ({} when it has none)."""
+    path = template_dir(template_id, settings) / METADATA_FILE
+    try:
+        meta: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta
+
+
+def build_staging(template_id: str, build_id: str, settings: Settings) -> Path:
+    """A fresh directory of the template's for one build's work (image layouts, the new root)."""
+    staging = template_dir(template_id, settings) / f".build-{build_id}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish_build(template_id: str, rootfs: Path, meta: dict[str, Any], settings: Settings) -> TemplateImage:
+    """Make the finished root file system ``rootfs`` (in the template's build staging) the
+    template's current build, with ``meta`` (build_id, limits, start command ...). Tags of the
+    template's earlier builds are kept in ``template.json`` (they no longer resolve)."""
+    tdir = template_dir(template_id, settings)
+    with _build_lock(tdir):
+        old = read_metadata(template_id, settings) if is_built(template_id, settings) else {}
+        (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
+        _remove_unused_retired(tdir)
+        if (tdir / "rootfs").exists():
+            _retire(tdir / "rootfs")
+        os.rename(rootfs, tdir / "rootfs")
+        created_at = _dt.datetime.now(_dt.UTC).isoformat()
+        tags = dict(old.get("tags") or {})
+        for tag in meta.pop("new_tags", []):
+            tags[tag] = {"build_id": meta["build_id"], "created_at": created_at}
+        full = {"template_id": template_id, "created_at": created_at, **meta, "tags": tags}
+        write_json_atomic(tdir / METADATA_FILE, full, indent=2)
+        write_atomic(tdir / COMPLETE_MARKER, f"{created_at} {meta.get('build_id', '')}\n")
+    return load_template(template_id, settings)
+
+
+def set_tags(template_id: str, settings: Settings, add: dict[str, str], remove: list[str]) -> dict[str, Any]:
+    """Point each tag of ``add`` at its build id and drop those of ``remove``; the new tags."""
+    tdir = template_dir(template_id, settings)
+    with _build_lock(tdir):
+        meta = read_metadata(template_id, settings)
+        tags = dict(meta.get("tags") or {})
+        now = _dt.datetime.now(_dt.UTC).isoformat()
+        for tag, build_id in add.items():
+            tags[tag] = {"build_id": build_id, "created_at": now}
+        for tag in remove:
+            tags.pop(tag, None)
+        meta["tags"] = tags
+        write_json_atomic(tdir / METADATA_FILE, meta, indent=2)
+    return tags
+
+
+def delete_template(template_id: str, settings: Settings) -> None:
+    """Remove a template. Its root goes aside first (running sandboxes may stand on it) and is
+    removed now when nothing mounts it, else by its next build or delete."""
+    tdir = template_dir(template_id, settings)
+    if not tdir.is_dir():
+        raise TemplateNotBuilt(f"template {template_id!r} not found")
+    with _build_lock(tdir):
+        (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
+        if (tdir / "rootfs").exists():
+            _retire(tdir / "rootfs")
+        _remove_unused_retired(tdir)
+        for entry in tdir.iterdir():
+            if entry.name == ".lock" or entry.name.startswith(".rootfs.retired-"):
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    if not any(p.name != ".lock" for p in tdir.iterdir()):
+        shutil.rmtree(tdir, ignore_errors=True)
 
 
 def list_templates(settings: Settings) -> list[dict[str, object]]:

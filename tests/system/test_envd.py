@@ -338,7 +338,8 @@ def test_entry_info_fields(sbx: Sandbox, workdir: str) -> None:
     assert (info.owner, info.group) == ("root", "root")
     assert abs(info.modified_time.timestamp() - os.stat(path).st_mtime) < 1
     link = sbx.files.get_info(f"{workdir}/link")
-    assert link.type is not None and link.type.value == "symlink"
+    # E2B's envd reports the target's type and the resolved target.
+    assert link.type is not None and link.type.value == "file"
     assert link.symlink_target == path
     assert sbx.files.get_info(workdir).permissions.startswith("d")
 
@@ -467,12 +468,16 @@ def test_watch_dir_events(sbx: Sandbox, workdir: str) -> None:
         events += events_until("w.txt", FilesystemEventType.REMOVE)
     finally:
         handle.stop()
-    # An upload reads like an in-place write; its temp file never shows.
+    # An upload reads like E2B's in-place write (create, chown, write); its temp file never shows.
     assert [(e.name, e.type) for e in first] == [
         ("w.txt", FilesystemEventType.CREATE),
+        ("w.txt", FilesystemEventType.CHMOD),
         ("w.txt", FilesystemEventType.WRITE),
     ]
-    assert [(e.name, e.type) for e in overwrite] == [("w.txt", FilesystemEventType.WRITE)]
+    assert [(e.name, e.type) for e in overwrite] == [
+        ("w.txt", FilesystemEventType.CHMOD),
+        ("w.txt", FilesystemEventType.WRITE),
+    ]
     seen = {(e.name, e.type) for e in events}
     assert ("sub", FilesystemEventType.CREATE) in seen
     assert ("sub/deep.txt", FilesystemEventType.CREATE) in seen
@@ -917,7 +922,7 @@ def test_js_sdk_against_envd(envd: Envd, workdir: str) -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["run"] == ["js-hi\n", "e\n", 0]
     assert out["exit"] == 4
-    assert out["events"] == [["f.txt", "create"], ["f.txt", "write"]]
+    assert out["events"] == [["f.txt", "create"], ["f.txt", "chmod"], ["f.txt", "write"]]
     assert out["read"] == "hello js"
     assert out["killed"] is True and out["pty"] is True
 

@@ -75,12 +75,23 @@ def expected_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[str]]:
         f"-A AGENTENV -i {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
         f"-A AGENTENV -i {hif} -m addrtype --dst-type LOCAL {tag} -j DROP",
         f"-A AGENTENV -d {subnet} -i {hif} {tag} -j DROP",
-        f"-A AGENTENV -i {hif} {tag} -j {'ACCEPT' if net.allow_internet_access else 'DROP'}",
+        f"-A AGENTENV -i {hif} {tag} -j {network.egress_chain(net)}",
         f"-A AGENTENV -o {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
         f"-A AGENTENV -o {hif} {tag} -j DROP",
     ]
     nat = [f"-A AGENTENV -s {net.sandbox_ip}/32 ! -d {subnet} {tag} -j MASQUERADE"]
-    return {"filter": filter_rules, "nat": nat if net.allow_internet_access else []}
+    return {"filter": filter_rules, "nat": nat}
+
+
+def expected_egress(net: SandboxNetwork) -> list[str]:
+    """The sandbox's egress chain with no policy: defaults denied, then its internet switch."""
+    chain = network.egress_chain(net)
+    denied = dict.fromkeys([*network.DEFAULT_DENIED, *network.node_networks()])
+    return [
+        f"-N {chain}",
+        *(f"-A {chain} -d {cidr} -j DROP" for cidr in denied),
+        f"-A {chain} -j {'ACCEPT' if net.allow_internet_access else 'DROP'}",
+    ]
 
 
 def netns_exists(sandbox_id: str) -> bool:
@@ -90,6 +101,7 @@ def netns_exists(sandbox_id: str) -> bool:
 def assert_gone(settings: Settings, net: SandboxNetwork) -> None:
     everything = sh("iptables-save")
     assert f"--comment {net.netns}" not in everything and f'--comment "{net.netns}"' not in everything
+    assert f":{network.egress_chain(net)} " not in everything
     assert not Path(net.netns_path).exists()
     assert not Path(f"/sys/class/net/{net.host_if}").exists()
     assert net.sandbox_id not in network.claimed_slots(settings)
@@ -161,7 +173,10 @@ async def test_filtering(settings: Settings, nets: list[SandboxNetwork]) -> None
         # ... nor sandbox -> sandbox.
         assert not await asyncio.to_thread(connect_in, on.netns, off.sandbox_ip, 7001)
         nat = sh("iptables", "-t", "nat", "-S", network.CHAIN)
-        assert f"-s {on.sandbox_ip}/32" in nat and off.sandbox_ip not in nat
+        # Both are masqueraded (an offline sandbox's allowOut exceptions leave too); the egress
+        # chain decides, and the offline one's ends in a drop.
+        assert f"-s {on.sandbox_ip}/32" in nat and f"-s {off.sandbox_ip}/32" in nat
+        assert sh("iptables", "-S", network.egress_chain(off)).splitlines()[-1].endswith("-j DROP")
         assert sh("sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
     finally:
         server.kill()
@@ -218,6 +233,7 @@ async def test_exact_state_after_setup_and_nothing_after_teardown(
     net = await network.setup_network(settings, unique_id("x"), allow_internet_access=internet)
     nets.append(net)
     assert tagged_rules(net) == expected_rules(net, settings.sandbox_subnet)
+    assert sh("iptables", "-S", network.egress_chain(net)).splitlines() == expected_egress(net)
     # The hooks into the chains (shared by every sandbox) are there.
     assert "-A INPUT -i aeh+ -j AGENTENV" in sh("iptables", "-S", "INPUT").splitlines()
     assert "-A FORWARD -j AGENTENV" in sh("iptables", "-S", "FORWARD").splitlines()
@@ -271,9 +287,12 @@ async def test_concurrent_setups_and_teardowns_share_rule_commits(
     # The teardowns all ask at once: one restore deletes the rules of every sandbox.
     assert len(restores) == 1
     assert sorted(restores[0]["filter"]) == sorted(
-        f"-D AGENTENV {' '.join(rule)}"
-        for n in created
-        for rule in network.sandbox_rules(n, settings.sandbox_subnet)["filter"]
+        [
+            f"-D AGENTENV {' '.join(rule)}"
+            for n in created
+            for rule in network.sandbox_rules(n, settings.sandbox_subnet)["filter"]
+        ]
+        + [f"{op} {network.egress_chain(n)}" for n in created for op in ("-F", "-X")]
     )
     for net in created:
         assert_gone(settings, net)

@@ -398,7 +398,7 @@ async def fake_host(spec_doc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -
         artifact.write_bytes(b"artifact")
 
     async def setup_network(
-        settings: Settings, sandbox_id: str, *, allow_internet_access: bool
+        settings: Settings, sandbox_id: str, *, allow_internet_access: bool, egress: object = None
     ) -> SandboxNetwork:
         return host.network_for(sandbox_id, allow_internet_access)
 

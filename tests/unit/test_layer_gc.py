@@ -77,7 +77,8 @@ def test_disk_used_counts_the_layers_under_the_upper(tmp_path: Path) -> None:
     upper.mkdir(parents=True)
     (upper / "big").write_bytes(b"x" * (1 << 20))
     layer = runtime.disks.layers.adopt(upper)
-    root = write_sandbox(runtime, "sbx", [layer])
-    (root / "upper").mkdir()
-    (root / "upper" / "small").write_bytes(b"y" * 4096)
+    write_sandbox(runtime, "sbx", [layer])
+    upper_dir = runtime.paths("sbx").upper  # on the sandbox's disk (not mounted here)
+    upper_dir.mkdir(parents=True)
+    (upper_dir / "small").write_bytes(b"y" * 4096)
     assert runtime.disks.used_bytes(runtime.paths("sbx")) >= (1 << 20) + 4096

@@ -268,7 +268,9 @@ async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_pa
         metrics = (await orch.node_metrics()).decode()
         assert 'agentenv_lifecycle_seconds_count{detail="frozen",operation="pause"} 2.0' in metrics
         assert 'agentenv_lifecycle_seconds_count{detail="disk",operation="resume"} 1.0' in metrics
-        assert 'agentenv_sandboxes{state="running",tier=""} 1.0' in metrics
+        assert 'agentenv_sandboxes{runtime="loopback",state="running",tier=""} 1.0' in metrics
+        assert "agentenv_node_cpus " in metrics and 'agentenv_node_memory_bytes{kind="available"}' in metrics
+        assert 'agentenv_node_allotted{resource="vcpus"}' in metrics
         await orch.kill(rec.sandbox_id)
 
 
@@ -285,6 +287,7 @@ async def test_frozen_sandboxes_past_the_idle_period_move_to_disk(tmp_path: Path
             await asyncio.sleep(0.05)
         assert (await orch.get(rec.sandbox_id)).pause_tier == "disk"
         await orch.kill(rec.sandbox_id)
+        await orch.background.drain(5)  # a kill releases what the sandbox held after it returns
         assert await orch.catalog.rows("pause") == []  # a killed sandbox's pause snapshot goes too
 
 

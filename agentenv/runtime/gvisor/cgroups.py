@@ -4,6 +4,7 @@ limits are set, its usage is read, and what a kill removes (runsc leaves them be
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 CGROUP_PARENT = "agentenv"
@@ -25,6 +26,33 @@ def cpu_seconds(sandbox_id: str) -> float:
     return _read_int(_group("cpuacct", sandbox_id) / "cpuacct.usage") / 1e9
 
 
+def oom_kills(sandbox_id: str) -> int:
+    """How many processes of the sandbox the host OOM killer has killed (``oom_kill`` of the
+    v1 memory controller's ``memory.oom_control``; 0 when the cgroup is gone)."""
+    try:
+        text = (_group("memory", sandbox_id) / "memory.oom_control").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def sandbox_ids() -> set[str]:
+    """Ids of the sandboxes that have a cgroup (any hierarchy) under ``agentenv/``: a crash, or
+    runsc itself, leaves empty ones behind that no other listing finds."""
+    if not CGROUP_V1_ROOT.is_dir():
+        return set()
+    found: set[str] = set()
+    for hierarchy in CGROUP_V1_ROOT.iterdir():
+        parent = hierarchy / CGROUP_PARENT
+        with contextlib.suppress(OSError):
+            found |= {d.name for d in parent.iterdir() if d.is_dir()}
+    return found
+
+
 def existing(sandbox_id: str) -> list[Path]:
     """The sandbox's cgroup directories that still exist."""
     if not CGROUP_V1_ROOT.is_dir():
@@ -32,16 +60,24 @@ def existing(sandbox_id: str) -> list[Path]:
     return [group for h in CGROUP_V1_ROOT.iterdir() if (group := _group(h.name, sandbox_id)).is_dir()]
 
 
-def remove(sandbox_id: str) -> None:
+def remove(sandbox_id: str, *, settle: float = 0.0) -> None:
     """rmdir the sandbox's cgroup in every hierarchy, deepest first; what cannot go (still in
-    use) stays for the next kill or orphan clean-up."""
-    for group in existing(sandbox_id):
-        for sub in sorted(group.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if sub.is_dir():
-                with contextlib.suppress(OSError):
-                    sub.rmdir()
-        with contextlib.suppress(OSError):
-            group.rmdir()
+    use) stays for the next kill or orphan clean-up. ``settle``: seconds to keep retrying
+    while a cgroup is busy (a SIGKILLed task leaves its cgroup only once the kernel has
+    released it, a little after its parent saw it exit: a kill that removed at once left
+    empty cgroups behind)."""
+    deadline = time.monotonic() + settle
+    while True:
+        for group in existing(sandbox_id):
+            for sub in sorted(group.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if sub.is_dir():
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        if not existing(sandbox_id) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
 
 
 def _group(hierarchy: str, sandbox_id: str) -> Path:

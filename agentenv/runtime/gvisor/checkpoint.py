@@ -206,11 +206,15 @@ async def seal_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
     sandbox a fresh, empty upper above it. Returns the sandbox's new chain (newest first).
 
     This is what makes snapshots incremental: the new layer holds exactly what the sandbox wrote
-    since its previous snapshot (or since it was made), taken by one rename, however much it is.
-    A chain deeper than :data:`MAX_CHAIN` gets its oldest layers squashed into one."""
+    since its previous snapshot (or since it was made): a copy of the upper, which lives on the
+    sandbox's own size-limited disk (:mod:`~agentenv.runtime.gvisor.disk`), renamed into the
+    store. A chain deeper than :data:`MAX_CHAIN` gets its oldest layers squashed into one."""
     await asyncio.to_thread(disks.unmount, paths)
+    t = time.monotonic()
+    copy = await asyncio.to_thread(disks.seal_copy, paths)
+    log.info("checkpoint %s: copy the upper to seal it %s ms", paths.sandbox_id, elapsed_ms(t))
     async with disks.lock:
-        new_layer = await asyncio.to_thread(disks.layers.adopt, paths.upper)
+        new_layer = await asyncio.to_thread(disks.layers.adopt, copy)
         chain = [new_layer, *disks.chain(paths)]
         if len(chain) > MAX_CHAIN:
             squashed = await asyncio.to_thread(disks.layers.squash, chain[-SQUASH_COUNT:])
@@ -244,7 +248,13 @@ def can_snapshot_running(disks: RootDisks, paths: SandboxPaths) -> bool:
 
 
 async def mount_snapshot_disk(
-    disks: RootDisks, paths: SandboxPaths, template_rootfs: Path, meta: dict[str, Any], *, resume: bool
+    disks: RootDisks,
+    paths: SandboxPaths,
+    template_rootfs: Path,
+    meta: dict[str, Any],
+    *,
+    resume: bool,
+    disk_mb: int,
 ) -> Path:
     """Mount the sandbox's root on the snapshot's layers under an empty upper. On a resume the
     sandbox's own root is unmounted and emptied first: the snapshot's chain is all the disk the
@@ -253,7 +263,7 @@ async def mount_snapshot_disk(
         await asyncio.to_thread(disks.unmount, paths)
         await asyncio.to_thread(disks.fresh_upper, paths)
     async with disks.lock:
-        return await asyncio.to_thread(disks.mount, paths, template_rootfs, list(meta["layers"]))
+        return await asyncio.to_thread(disks.mount, paths, template_rootfs, list(meta["layers"]), disk_mb)
 
 
 async def restore_container(runsc: Runsc, paths: SandboxPaths, image: Path, net: SandboxNetwork) -> None:

@@ -2,6 +2,16 @@
 over a chain of shared, read-only snapshot layers (:mod:`agentenv.storage.layers`) over the
 template rootfs.
 
+The upper lives on the sandbox's own disk: a sparse ext4 image of the template's
+``diskSizeMB`` (``disk.img``), loop-mounted in the sandbox's directory. That is the disk quota:
+a sandbox that fills it gets ENOSPC from its own file system, ``df /`` inside shows its size
+(overlayfs reports the upper's file system), and the node's disk holds at most that much of
+its writes (``discard`` gives deleted blocks back to the host). Project quotas on one shared
+file system would keep sealing a rename, but this kernel is built without XFS quota and the
+quota formats ext4 needs (``CONFIG_XFS_QUOTA``, ``CONFIG_QFMT_V2`` unset): so a sealed layer is
+a copy of the upper into the layer store (:meth:`RootDisks.seal_copy`), made on the stopping
+paths only (pause to disk, fork, a snapshot of a large upper).
+
 A sandbox's chain is written to its ``layers.json`` before the mount, so that layer garbage
 collection sees every layer a sandbox stands on; the layers copied from its upper for running
 snapshots are named in its ``held-layers.json`` (see :meth:`RootDisks.in_use`).
@@ -13,6 +23,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +42,13 @@ MOUNT_POINT_DIR = MOUNT_POINT.lstrip("/")
 #: pause, so this keeps the first copy and the walk well below that.
 COPY_MAX_BYTES = 256 << 20
 COPY_MAX_ENTRIES = 4096
+#: mkfs of a sandbox disk: no blocks reserved for root (the sandbox gets all of its size),
+#: inode tables and journal initialised lazily (20-30 ms for 4 GiB here, the image stays sparse).
+MKFS = ("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard")
+#: ``discard``: what the sandbox deletes is punched out of the sparse image, back to the node.
+DISK_MOUNT_OPTIONS = "loop,noatime,discard"
+#: The smallest disk a sandbox gets (ext4 and its journal need room of their own).
+MIN_DISK_MB = 64
 
 
 @dataclass(frozen=True)
@@ -57,14 +75,16 @@ class RootDisks:
         #: Bytes of each sealed layer, measured once (a layer never changes).
         self._layer_bytes: dict[str, int] = {}
 
-    def mount(self, paths: SandboxPaths, template_rootfs: Path, chain: list[str]) -> Path:
-        """Mount the sandbox's root: its private upper over ``chain`` (layer ids, newest first)
-        over the template rootfs. Returns the mount point; a no-op when it is mounted already."""
+    def mount(self, paths: SandboxPaths, template_rootfs: Path, chain: list[str], disk_mb: int) -> Path:
+        """Mount the sandbox's root: its private upper (on its own disk of ``disk_mb`` MiB, made
+        if missing) over ``chain`` (layer ids, newest first) over the template rootfs. Returns
+        the mount point; a no-op when it is mounted already."""
         missing = [lid for lid in chain if not self.layers.exists(lid)]
         if missing:
             raise Gone(f"disk layers {', '.join(missing)} of sandbox {paths.sandbox_id} are gone")
         paths.root.mkdir(parents=True, exist_ok=True)
         self.set_chain(paths, chain)
+        self.ensure_disk(paths, disk_mb)
         for d in (paths.upper, paths.work, paths.rootfs):
             d.mkdir(exist_ok=True)
         if not (template_rootfs / MOUNT_POINT_DIR).is_dir():  # the envd bundle's mount point
@@ -81,7 +101,30 @@ class RootDisks:
 
     @staticmethod
     def unmount(paths: SandboxPaths) -> None:
+        """Unmount the root overlay (the disk under its upper stays mounted)."""
         overlay_unmount(paths.rootfs)
+
+    @staticmethod
+    def ensure_disk(paths: SandboxPaths, disk_mb: int) -> None:
+        """Have the sandbox's disk mounted at ``paths.disk``, making the image if there is none."""
+        if os.path.ismount(paths.disk):
+            return
+        paths.disk.mkdir(parents=True, exist_ok=True)
+        if not paths.disk_image.exists():
+            tmp = paths.disk_image.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.truncate(max(disk_mb, MIN_DISK_MB) << 20)
+            _run([*MKFS, str(tmp)], f"making the disk of sandbox {paths.sandbox_id}")
+            tmp.rename(paths.disk_image)
+        _run(
+            ["mount", "-o", DISK_MOUNT_OPTIONS, str(paths.disk_image), str(paths.disk)],
+            f"mounting the disk of sandbox {paths.sandbox_id}",
+        )
+
+    @staticmethod
+    def release_disk(paths: SandboxPaths) -> None:
+        """Unmount the sandbox's disk (its loop device goes with it: mount(8) sets autoclear)."""
+        overlay_unmount(paths.disk)
 
     @staticmethod
     def chain(paths: SandboxPaths) -> list[str]:
@@ -155,16 +198,41 @@ class RootDisks:
         record = {"mount_chain": self.chain(paths), "chain": chain, "entries": entries}
         write_json_atomic(paths.upper_delta_file, record)
 
-    @staticmethod
-    def fresh_upper(paths: SandboxPaths) -> None:
-        """Empty the sandbox's (unmounted) upper and work directories."""
+    def fresh_upper(self, paths: SandboxPaths) -> None:
+        """Empty the sandbox's (unmounted) upper and work directories: a small upper is removed,
+        a large one by making its disk anew (one unlink instead of a walk). Without a disk yet
+        there is nothing to empty: the next :meth:`mount` makes one."""
+        if not paths.disk_image.exists():
+            return
+        disk_mb = paths.disk_image.stat().st_size >> 20
+        self.ensure_disk(paths, disk_mb)  # a host reboot unmounted it
+        if paths.upper.is_dir() and not self.upper_is_small(paths):
+            self.release_disk(paths)
+            paths.disk_image.unlink()
+            self.ensure_disk(paths, disk_mb)
         for d in (paths.upper, paths.work):
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir()
 
+    def seal_copy(self, paths: SandboxPaths) -> Path:
+        """A copy of the whole (unmounted) upper at ``paths.upper_copy``, on the layer store's file
+        system, to be adopted as a layer: the upper's own disk is another file system."""
+        shutil.rmtree(paths.upper_copy, ignore_errors=True)
+        try:
+            upper_delta.build(paths.upper, paths.upper_copy, {})
+        except OSError as exc:
+            shutil.rmtree(paths.upper_copy, ignore_errors=True)
+            raise Failed(f"copying the upper of sandbox {paths.sandbox_id} failed: {exc}") from exc
+        return paths.upper_copy
+
     def used_bytes(self, paths: SandboxPaths) -> int:
-        """What the sandbox wrote: its upper plus the snapshot layers under it."""
-        used = tree_bytes(paths.upper)
+        """What the sandbox wrote: its disk's used blocks (else its upper) plus the snapshot
+        layers under it."""
+        if os.path.ismount(paths.disk):
+            st = os.statvfs(paths.disk)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        else:
+            used = tree_bytes(paths.upper)
         for layer_id in self.chain(paths):
             if layer_id not in self._layer_bytes and self.layers.exists(layer_id):
                 self._layer_bytes[layer_id] = self.layers.disk_usage(layer_id)
@@ -177,3 +245,9 @@ class RootDisks:
         for layer_id in removed:
             self._layer_bytes.pop(layer_id, None)
         return removed
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "LC_ALL": "C"})
+    if proc.returncode != 0:
+        raise Failed(f"{what} failed: {' '.join(cmd[:2])}: {(proc.stderr or proc.stdout).strip()[-500:]}")

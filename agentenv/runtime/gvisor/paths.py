@@ -2,7 +2,9 @@
 
 Per sandbox, under ``{data_dir}/sandboxes/<sandbox_id>/``::
 
-    upper/  work/   private writable layer of the host overlayfs (kept on disk: snapshots seal it)
+    disk.img        the sandbox's disk: a sparse ext4 image of the template's ``diskSizeMB``
+    disk/           its loop mount; ``upper/``, ``work/`` in it are the private writable layer
+                    of the host overlayfs (its size is the sandbox's disk quota; snapshots seal it)
     rootfs/         overlay mount: upper over the snapshot layers over the template rootfs
     layers.json     the snapshot layers (newest first) the root stands on
     held-layers.json  layers copied from the upper for running snapshots (kept while the sandbox is)
@@ -40,12 +42,20 @@ class SandboxPaths:
         return CONTAINER_PREFIX + self.sandbox_id
 
     @property
+    def disk_image(self) -> Path:
+        return self.root / "disk.img"
+
+    @property
+    def disk(self) -> Path:
+        return self.root / "disk"
+
+    @property
     def upper(self) -> Path:
-        return self.root / "upper"
+        return self.disk / "upper"
 
     @property
     def work(self) -> Path:
-        return self.root / "work"
+        return self.disk / "work"
 
     @property
     def rootfs(self) -> Path:

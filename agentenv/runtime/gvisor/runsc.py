@@ -109,6 +109,8 @@ class Runsc:
             # A checkpoint drops connected TCP endpoints instead of refusing to save them: a
             # sandbox with open connections (outbound ones included) can be paused.
             "--net-disconnect-ok",
+            # nproc inside is the template's vCPUs (the cgroup's CPU quota), not the node's cores.
+            "--cpu-num-from-quota",
         ]
 
     # -- commands ------------------------------------------------------------------------------
@@ -140,7 +142,22 @@ class Runsc:
 
     async def start(self, paths: SandboxPaths, *, image: Path | None = None) -> None:
         """Start the container of ``paths``' OCI bundle detached (``runsc run``, or with ``image``
-        ``runsc restore`` of that checkpoint); its output goes to envd.log."""
+        ``runsc restore`` of that checkpoint); its output goes to envd.log.
+
+        A start that failed because the container's control socket was still bound ("address
+        already in use": a socket file left by a killed sandbox of the same id, or its process
+        not yet gone) is retried once after the container is stopped and forgotten: nothing of
+        the failed attempt ran, so trying again is safe."""
+        try:
+            await self._start(paths, image)
+        except Failed as exc:
+            if "address already in use" not in str(exc):
+                raise
+            log.warning("runsc start of %s: control socket in use; retrying once", paths.sandbox_id)
+            await self.stop(paths)
+            await self._start(paths, image)
+
+    async def _start(self, paths: SandboxPaths, image: Path | None) -> None:
         verb = ["run"] if image is None else ["restore", "--image-path", str(image)]
         cmd = self.command(
             *self.sandbox_flags(self.platform()),
@@ -183,6 +200,17 @@ class Runsc:
         except json.JSONDecodeError:
             return "unknown"
 
+    async def sandbox_pid(self, cid: str) -> int | None:
+        """The host pid of container ``cid``'s runsc sandbox process (the sentry), if any."""
+        code, out = await self.run("state", cid, check=False)
+        if code != 0:
+            return None
+        try:
+            pid = json.loads(out).get("pid")
+        except json.JSONDecodeError:
+            return None
+        return pid if isinstance(pid, int) and pid > 0 else None
+
     async def containers(self) -> list[str]:
         """Ids of the containers runsc knows under this root."""
         code, out = await self.run("list", "-quiet", check=False)
@@ -221,12 +249,11 @@ class Runsc:
     async def _reap(self, paths: SandboxPaths) -> None:
         deadline = time.monotonic() + REAP_TIMEOUT
         while pids := self.processes(paths):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            exited = await _kill_and_wait(pids, within=max(0.0, deadline - time.monotonic()))
+            if exited:  # each pidfd said so: no second scan of /proc (5-10 ms) to confirm
+                return
             if time.monotonic() > deadline:
                 raise Failed(f"runsc processes {pids} of sandbox {paths.sandbox_id} do not exit")
-            await asyncio.sleep(0.05)
 
     def forget(self, cid: str) -> None:
         """Remove what runsc keeps of a stopped container: its record and its control sockets."""
@@ -248,6 +275,43 @@ def hide_proc_sys_net(cmd: list[str]) -> list[str]:
     there (gVisor's netstack has its own sysctls)."""
     script = 'mount -t tmpfs -o ro,size=4k agentenv-hide /proc/sys/net && exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
+
+
+async def _kill_and_wait(pids: list[int], within: float) -> bool:
+    """SIGKILL ``pids`` and wait (at most ``within`` seconds) until all have exited; True if they did.
+
+    Waits on pidfds, which become readable when their process exits, rather than polling: a
+    sandbox's processes die in a few milliseconds, and a 50 ms sleep between scans of /proc was
+    most of a kill's time. Each pidfd is opened before its signal, so a pid reused after the exit
+    cannot be mistaken for the process."""
+    loop = asyncio.get_running_loop()
+    exits: list[asyncio.Future[None]] = []
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            fds.append(fd)
+            exit_seen: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _resolve, exit_seen)
+            exits.append(exit_seen)
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        if not exits:
+            return True
+        _, pending = await asyncio.wait(exits, timeout=within)
+        return not pending
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _runsc_command_lines() -> list[tuple[int, list[str]]]:

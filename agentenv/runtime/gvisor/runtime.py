@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -23,10 +24,10 @@ from typing import Any, ClassVar
 import httpx
 
 from agentenv.config import Settings
-from agentenv.errors import Conflict, Failed
+from agentenv.errors import Conflict, Failed, Gone
 from agentenv.runtime import network
 from agentenv.runtime.base import CpuSampler, Runtime, log_tail
-from agentenv.runtime.gvisor import cgroups, checkpoint, freezer
+from agentenv.runtime.gvisor import cgroups, checkpoint, freezer, watch
 from agentenv.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from agentenv.runtime.gvisor.disk import RootDisks
 from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir
@@ -58,6 +59,19 @@ log = logging.getLogger(__name__)
 ENVD_START_TIMEOUT = 60.0
 #: Seconds a restored sandbox's envd gets (its process is already running).
 ENVD_RESTORE_TIMEOUT = 30.0
+#: Seconds a kill keeps retrying to remove the sandbox's cgroups while the kernel releases its
+#: killed tasks.
+CGROUP_SETTLE_SECONDS = 1.0
+#: A sandbox's disk when its instance predates recording one (the templates' default).
+DEFAULT_DISK_MB = 4096
+#: Processes (per user inside) a sandbox may have: RLIMIT_NPROC, which gVisor's kernel enforces
+#: (a fork beyond it fails with EAGAIN inside, as on Linux).
+NPROC_LIMIT = 2048
+#: The host cgroup's pids.max, a backstop for the node: every address space inside is a host
+#: stub process and every running task may hold a sentry thread. Reaching it makes the sentry
+#: panic (measured: "trying to use inactive address space"), so it sits well above what
+#: NPROC_LIMIT lets a sandbox reach; the death is then noticed like any other.
+HOST_PIDS_LIMIT = 16384
 #: The docker default capability set plus what envd needs to start processes as other users.
 CAPABILITIES = [
     "CAP_CHOWN",
@@ -114,7 +128,9 @@ class GvisorRuntime(Runtime):
         net: SandboxNetwork | None = None
         try:
             net = await self._setup_network(spec)
-            rootfs = await asyncio.to_thread(self.disks.mount, paths, spec.template.rootfs, [])
+            rootfs = await asyncio.to_thread(
+                self.disks.mount, paths, spec.template.rootfs, [], spec.template.disk_mb
+            )
             self._write_bundle(spec, net, rootfs, envd_bundle)
             instance = self._instance(spec, net, envd_bundle)
             await self.runsc.start(paths)
@@ -137,6 +153,10 @@ class GvisorRuntime(Runtime):
         net = SandboxNetwork.from_state(net_state) if net_state else None
         await self._destroy(self.paths(instance.sandbox_id), net)
 
+    async def halt(self, instance: SandboxInstance) -> None:
+        await freezer.thaw(instance.sandbox_id)
+        await self.runsc.stop(self.paths(instance.sandbox_id))
+
     async def _destroy(self, paths: SandboxPaths, net: SandboxNetwork | None) -> None:
         """Remove everything of the sandbox; every step tolerates an already-missing part."""
         # SIGKILL, not a graceful stop: nothing inside deserves one, and ``runsc kill`` would
@@ -144,13 +164,76 @@ class GvisorRuntime(Runtime):
         await self.runsc.stop(paths)
         self._cpu.forget(paths.sandbox_id)
         await asyncio.to_thread(self.disks.unmount, paths)
+        await asyncio.to_thread(self.disks.release_disk, paths)
         await network.teardown_network(self.settings, paths.sandbox_id, net)
-        cgroups.remove(paths.sandbox_id)
+        await asyncio.to_thread(cgroups.remove, paths.sandbox_id, settle=CGROUP_SETTLE_SECONDS)
         await asyncio.to_thread(shutil.rmtree, paths.root, True)
+
+    # -- the filesystem pause tier: stop, keep the disk, boot again over it ----------------------
+
+    async def stop_keep_disk(self, instance: SandboxInstance) -> SandboxInstance:
+        await freezer.thaw(instance.sandbox_id)
+        paths = self.paths(instance.sandbox_id)
+        net_state = instance.state.get("network")
+        await self._stop_sandbox(paths, SandboxNetwork.from_state(net_state) if net_state else None)
+        # The network's slot goes back to the pool: a later kill must not tear down whoever has it.
+        return dataclasses.replace(
+            instance, state={k: v for k, v in instance.state.items() if k != "network"}
+        )
+
+    async def boot_kept_disk(self, spec: SandboxSpec, kept: SandboxInstance) -> SandboxInstance:
+        paths = self.paths(spec.sandbox_id)
+        if not paths.layers_file.exists():
+            raise Gone(f"the kept disk of sandbox {spec.sandbox_id} is gone")
+        envd_bundle = await asyncio.to_thread(build_envd_bundle, self.settings)
+        net: SandboxNetwork | None = None
+        try:
+            net = await self._setup_network(spec)
+            chain = self.disks.chain(paths)
+            rootfs = await asyncio.to_thread(
+                self.disks.mount, paths, spec.template.rootfs, chain, spec.template.disk_mb
+            )
+            self._write_bundle(spec, net, rootfs, envd_bundle)
+            instance = self._instance(spec, net, envd_bundle)
+            await self.runsc.start(paths)
+            await self._wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
+        except BaseException:
+            await self._stop_sandbox(paths, net)  # the disk stays: the sandbox is still paused
+            raise
+        return instance
+
+    async def _stop_sandbox(self, paths: SandboxPaths, net: SandboxNetwork | None) -> None:
+        """Everything of :meth:`_destroy` but the sandbox's files (its disk image, upper, layers)."""
+        await self.runsc.stop(paths)
+        self._cpu.forget(paths.sandbox_id)
+        await asyncio.to_thread(self.disks.unmount, paths)
+        await asyncio.to_thread(self.disks.release_disk, paths)
+        await network.teardown_network(self.settings, paths.sandbox_id, net)
+        await asyncio.to_thread(cgroups.remove, paths.sandbox_id, settle=CGROUP_SETTLE_SECONDS)
+
+    async def export_root(self, instance: SandboxInstance, dest: Path) -> None:
+        """The host overlay is the root the sandbox sees (``--overlay2=none``): copy its merged
+        view. Only the root mount: /proc, /dev, /tmp and the envd bundle live inside the sentry."""
+        merged = self.paths(instance.sandbox_id).rootfs
+        proc = await asyncio.create_subprocess_exec(
+            "cp",
+            "-a",
+            "--one-file-system",
+            f"{merged}/.",
+            str(dest),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise Failed(f"copying the root of {instance.sandbox_id} failed: {err.decode()[-800:]}")
 
     async def _setup_network(self, spec: SandboxSpec) -> SandboxNetwork:
         return await network.setup_network(
-            self.settings, spec.sandbox_id, allow_internet_access=spec.allow_internet_access
+            self.settings,
+            spec.sandbox_id,
+            allow_internet_access=spec.allow_internet_access,
+            egress=spec.egress,
         )
 
     # -- what a sandbox is made of --------------------------------------------------------------
@@ -173,7 +256,10 @@ class GvisorRuntime(Runtime):
                 "env": [f"{k}={v}" for k, v in env.items()],
                 "cwd": "/",
                 "capabilities": {k: caps for k in ("bounding", "effective", "permitted", "inheritable")},
-                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+                "rlimits": [
+                    {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
+                    {"type": "RLIMIT_NPROC", "hard": NPROC_LIMIT, "soft": NPROC_LIMIT},
+                ],
                 "noNewPrivileges": False,
             },
             "root": {"path": str(rootfs), "readonly": False},
@@ -188,10 +274,12 @@ class GvisorRuntime(Runtime):
                     "options": ["nosuid", "noexec", "nodev", "ro"],
                 },
                 {
+                    # Its pages are the sentry's own memory: unbounded, filling /tmp would get the
+                    # sentry (the whole sandbox) OOM-killed. Half the memory, as Linux sizes tmpfs.
                     "destination": "/tmp",
                     "type": "tmpfs",
                     "source": "tmpfs",
-                    "options": ["nosuid", "nodev", "mode=1777"],
+                    "options": ["nosuid", "nodev", "mode=1777", f"size={max(tpl.memory_mb // 2, 16)}m"],
                 },
                 {
                     "destination": MOUNT_POINT,
@@ -210,8 +298,11 @@ class GvisorRuntime(Runtime):
                 ],
                 "cgroupsPath": cgroups.cgroups_path(spec.sandbox_id),
                 "resources": {
+                    # cpu.cfs_quota_us: the template's vCPUs (the sentry reports that many CPUs,
+                    # --cpu-num-from-quota); memory: the sentry reports this much as MemTotal.
                     "cpu": {"quota": tpl.vcpus * 100_000, "period": 100_000},
                     "memory": {"limit": tpl.memory_mb << 20},
+                    "pids": {"limit": HOST_PIDS_LIMIT},
                 },
             },
         }
@@ -264,6 +355,18 @@ class GvisorRuntime(Runtime):
 
     # -- observing ------------------------------------------------------------------------------
 
+    async def wait_exit(self, instance: SandboxInstance) -> str | None:
+        """Wait on a pidfd of the sandbox's runsc sandbox process (see :mod:`~.watch`)."""
+        paths = self.paths(instance.sandbox_id)
+        oom_kills = cgroups.oom_kills(instance.sandbox_id)
+        pid = watch.sentry_pid(paths.container_id, await self.runsc.sandbox_pid(paths.container_id))
+        if pid is None:
+            if await self.is_alive(instance):
+                return None  # runsc says running but names no process: cannot watch
+            return "its runsc sandbox process is gone"
+        await watch.wait_pid(pid)
+        return watch.death_reason(instance.sandbox_id, pid, oom_kills, log_tail(paths.envd_log))
+
     async def is_alive(self, instance: SandboxInstance) -> bool:
         if freezer.is_frozen(instance.sandbox_id):  # runsc state would hang on a frozen sentry
             return freezer.has_tasks(instance.sandbox_id)
@@ -299,8 +402,17 @@ class GvisorRuntime(Runtime):
         orphans = sorted(found - keep)
         for sandbox_id in orphans:
             await self._destroy(self.paths(sandbox_id), None)
+        await asyncio.to_thread(self._remove_empty_cgroups, keep)
         await asyncio.to_thread(self._remove_unused_bundles)
         return orphans
+
+    @staticmethod
+    def _remove_empty_cgroups(keep: set[str]) -> None:
+        """rmdir the empty ``agentenv/<id>`` cgroups no record names. Only rmdir: the cgroup
+        tree is the host's, shared with other servers' sandboxes, and rmdir refuses a cgroup
+        that still has tasks (a paused-to-disk sandbox's empty one is made again by its restore)."""
+        for sandbox_id in cgroups.sandbox_ids() - keep:
+            cgroups.remove(sandbox_id)
 
     def _sandbox_dirs(self) -> list[str]:
         """Ids of the sandboxes that have a scratch directory on this node."""
@@ -383,7 +495,8 @@ class GvisorRuntime(Runtime):
         """Bring a just-checkpointed sandbox back from ``image`` on its own network and disk."""
         try:
             template_rootfs = Path(str(instance.state["template_rootfs"]))
-            await asyncio.to_thread(self.disks.mount, paths, template_rootfs, chain)
+            disk_mb = int(instance.state.get("disk_mb", DEFAULT_DISK_MB))
+            await asyncio.to_thread(self.disks.mount, paths, template_rootfs, chain, disk_mb)
             net = SandboxNetwork.from_state(instance.state["network"])
             await checkpoint.restore_container(self.runsc, paths, image, net)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
@@ -409,7 +522,7 @@ class GvisorRuntime(Runtime):
             timings["network_ms"] = elapsed_ms(t)
             t = time.monotonic()
             rootfs = await checkpoint.mount_snapshot_disk(
-                self.disks, paths, spec.template.rootfs, meta, resume=resume
+                self.disks, paths, spec.template.rootfs, meta, resume=resume, disk_mb=spec.template.disk_mb
             )
             timings["disk_ms"] = elapsed_ms(t)
             self._write_bundle(spec, net, rootfs, envd_bundle)

@@ -306,7 +306,7 @@ class MicroVmRuntime(Runtime, Generic[P]):
 
     async def _plug_network(self, spec: SandboxSpec, paths: P, state: dict[str, Any]) -> SandboxNetwork:
         net = await network.setup_network(
-            self.settings, spec.sandbox_id, allow_internet_access=spec.allow_internet_access
+            self.settings, spec.sandbox_id, allow_internet_access=spec.allow_internet_access, egress=spec.egress
         )
         state["network"] = net.to_state()
         write_marker(paths, state)
@@ -332,6 +332,11 @@ class MicroVmRuntime(Runtime, Generic[P]):
 
     async def kill(self, instance: SandboxInstance) -> None:
         await self._destroy(instance.sandbox_id, instance.state)
+
+    async def halt(self, instance: SandboxInstance) -> None:
+        paths = self.paths(instance.sandbox_id)
+        for pid, name in self._vm_processes(read_marker(paths) or instance.state, paths):
+            await kill_pid(pid, name, owner=str(paths.root))
 
     async def _destroy(self, sandbox_id: str, state: dict[str, Any]) -> None:
         paths = self.paths(sandbox_id)

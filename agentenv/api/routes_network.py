@@ -1,0 +1,103 @@
+"""Sandbox network policy: the ``network`` of a create and ``PUT /sandboxes/{id}/network``.
+
+E2B's semantics (openapi.yml ``SandboxNetworkConfig``, ``SandboxNetworkUpdateConfig``; its API's
+``validateNetworkConfig``): ``allowOut``/``denyOut`` take IPv4 addresses and CIDR blocks, allow
+beats deny, ``allow_internet_access=False`` is ``denyOut=["0.0.0.0/0"]``; an update replaces the
+whole egress configuration (what it leaves out is cleared); ``allowPublicTraffic=False`` needs
+a secure sandbox and makes every port but envd's require ``e2b-traffic-access-token``;
+``maskRequestHost`` (``${PORT}`` expanded) is the Host the sandbox sees. Enforcement is
+``agentenv.runtime.network`` (the sandbox's egress chain) and ``agentenv.api.proxy`` (ingress).
+
+What this node cannot honour is refused with a 400 naming it, never silently ignored: domain
+names in ``allowOut`` and per-domain ``rules`` (E2B matches those in an egress proxy that reads
+TLS SNI and HTTP Host; there is none here), ``egressProxy`` (SOCKS5 tunnelling) and
+``httpsPorts``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from agentenv.api.auth import require_api_key
+from agentenv.api.schemas import SandboxNetworkConfig, SandboxNetworkUpdateConfig, NetworkEgress
+from agentenv.errors import Invalid
+from agentenv.orchestrator.ids import normalise_sandbox_id
+from agentenv.orchestrator.lifecycle import Orchestrator
+from agentenv.runtime.network import parse_egress
+from agentenv.types import EgressPolicy
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+#: ``host`` or ``host:port``; ``${PORT}`` anywhere stands for the port requested.
+_MASK_RE = re.compile(r"^[A-Za-z0-9_.-]+(:[0-9]{1,5})?$")
+_DNS_RE = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+
+
+def orchestrator(request: Request) -> Orchestrator:
+    orch: Orchestrator = request.app.state.orchestrator
+    return orch
+
+
+Orch = Annotated[Orchestrator, Depends(orchestrator)]
+
+
+def _refuse_unsupported(body: NetworkEgress) -> None:
+    if body.rules:
+        raise Invalid(
+            "network.rules (per-domain request transforms) are not supported on this node: "
+            "it has no egress proxy"
+        )
+    if body.egress_proxy:
+        raise Invalid("network.egressProxy (SOCKS5 tunnelling) is not supported on this node")
+    for server in body.dns_servers or []:
+        if not _DNS_RE.fullmatch(server):
+            raise Invalid(f"invalid DNS server {server!r}: expected an IPv4 address")
+
+
+def egress_of(body: NetworkEgress) -> EgressPolicy:
+    _refuse_unsupported(body)
+    return parse_egress(body.allow_out, body.deny_out)
+
+
+def check_mask(mask: str) -> str:
+    """E2B's check: ``host[:port]`` in ASCII (``${PORT}`` allowed); also no header injection."""
+    if not _MASK_RE.fullmatch(mask.replace("${PORT}", "1")):
+        raise Invalid(f"mask request host is not valid: {mask}")
+    return mask
+
+
+def create_network(
+    network: SandboxNetworkConfig | None, *, secure: bool
+) -> tuple[EgressPolicy | None, dict[str, object]]:
+    """A create's network: the policy to enforce and what the record keeps besides it."""
+    if network is None:
+        return None, {}
+    if network.https_ports:
+        raise Invalid("network.httpsPorts is not supported on this node (the proxy speaks HTTP to sandboxes)")
+    egress = egress_of(network)
+    if network.allow_public_traffic is False and not secure:
+        raise Invalid(
+            "You cannot create a sandbox without public access unless you enable secure envd "
+            "access via 'secure' flag."
+        )
+    kept: dict[str, object] = {}
+    if network.mask_request_host is not None:
+        kept["maskRequestHost"] = check_mask(network.mask_request_host)
+    if network.dns_servers is not None:
+        kept["dnsServers"] = list(network.dns_servers)
+    return (egress if egress.allow_out or egress.deny_out else None), kept
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, body: SandboxNetworkUpdateConfig, orch: Orch) -> Response:
+    egress = egress_of(body)
+    await orch.update_network(
+        normalise_sandbox_id(sandbox_id),
+        egress=egress,
+        allow_internet_access=body.allow_internet_access,
+        dns_servers=body.dns_servers,
+    )
+    return Response(status_code=204)

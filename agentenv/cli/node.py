@@ -1,0 +1,78 @@
+"""``agentenv node status``: what a node has and runs, from ``GET /node`` (our JSON extension);
+against a server without it (a gateway) from ``GET /metrics`` (Prometheus text) alone."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from agentenv.cli.client import Api, CliError, reported
+
+app = typer.Typer(help="The node behind the API: capacity, sandboxes, runtime (our extension).")
+
+
+def from_metrics(text: str) -> dict[str, Any]:
+    """The sandbox counts of ``agentenv_sandboxes{state,tier}`` in ``/node``'s shape."""
+    by_state: dict[str, int] = {}
+    by_tier: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "agentenv_sandboxes":
+            continue
+        for sample in family.samples:
+            state, tier, n = sample.labels.get("state", ""), sample.labels.get("tier", ""), int(sample.value)
+            by_state[state] = by_state.get(state, 0) + n
+            if state == "paused":
+                by_tier[tier or "disk"] = by_tier.get(tier or "disk", 0) + n
+    return {"sandboxes": {"total": sum(by_state.values()), "byState": by_state, "pausedByTier": by_tier}}
+
+
+def _print(status: dict[str, Any]) -> None:
+    console = Console()
+    if "runtime" in status:
+        console.print(f"[bold]runtime[/bold] {status['runtime']} (platform {status['platform']})")
+    cap = status.get("capacity")
+    if cap:
+        console.print(
+            f"[bold]cpu[/bold] {cap['cpuCount']} (load {cap['loadAverage1m']}), "
+            f"{cap['allocatedCpuCount']} vCPU allotted to running sandboxes"
+        )
+        console.print(
+            f"[bold]memory[/bold] {cap['memoryAvailableMiB']} of {cap['memoryTotalMiB']} MiB available, "
+            f"{cap['allocatedMemoryMiB']} MiB allotted"
+        )
+        console.print(f"[bold]disk[/bold] {cap['diskFreeMiB']} of {cap['diskTotalMiB']} MiB free")
+    sbx = status["sandboxes"]
+    states = ", ".join(f"{k} {v}" for k, v in sorted(sbx["byState"].items())) or "none"
+    tiers = ", ".join(f"{k} {v}" for k, v in sorted(sbx["pausedByTier"].items()))
+    console.print(
+        f"[bold]sandboxes[/bold] {sbx['total']}: {states}" + (f" (paused: {tiers})" if tiers else "")
+    )
+    lifecycle = status.get("lifecycle") or {}
+    if lifecycle:
+        table = Table(box=None, header_style="bold")
+        for col in ("OPERATION", "COUNT", "MEAN MS", "P50 <= MS", "P95 <= MS"):
+            table.add_column(col)
+        for op, v in lifecycle.items():
+            table.add_row(op, str(v["count"]), str(v["meanMs"]), str(v["p50UpperMs"]), str(v["p95UpperMs"]))
+        console.print(table)
+
+
+@app.command("status")
+def status(as_json: bool = typer.Option(False, "--json", help="Print the JSON.")) -> None:
+    """Capacity, sandboxes by state and pause tier, runtime and platform, lifecycle latencies."""
+    with reported(), Api() as api:
+        try:
+            data = api.get_json("/node")
+        except CliError as exc:
+            if exc.code != 404:
+                raise
+            data = from_metrics(api.request("GET", "/metrics").text)  # a server without /node
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    _print(data)

@@ -1,0 +1,118 @@
+"""A real S3-protocol server for the snapshot store tests and benchmarks: moto's server mode
+(``moto[server]``, pinned in the ``test`` extra) as a process on a free loopback port.
+
+    with s3_server() as s3:
+        bucket = s3.new_bucket()
+        env = s3.agentenv_env(bucket)      # AGENTENV_S3__* for an ``agentenv serve``
+
+No pytest here: bench/ imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support import free_port
+
+ACCESS_KEY = "agentenv-test"
+SECRET_KEY = "agentenv-test-secret"
+REGION = "us-east-1"
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+        )
+
+    def new_bucket(self) -> str:
+        name = "ae-" + secrets.token_hex(6)
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """Every key of the bucket under ``prefix`` (the store's own prefix included)."""
+        client = self.client()
+        keys: list[str] = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            keys += [obj["Key"] for obj in page.get("Contents", [])]
+        return keys
+
+    def agentenv_env(self, bucket: str, **extra: str) -> dict[str, str]:
+        """The ``AGENTENV_S3__*`` settings of a server using ``bucket`` on this server."""
+        return {
+            "AGENTENV_S3__BUCKET": bucket,
+            "AGENTENV_S3__ENDPOINT_URL": self.endpoint,
+            "AGENTENV_S3__REGION": REGION,
+            "AGENTENV_S3__ACCESS_KEY_ID": ACCESS_KEY,
+            "AGENTENV_S3__SECRET_ACCESS_KEY": SECRET_KEY,
+            **{f"AGENTENV_S3__{k.upper()}": v for k, v in extra.items()},
+        }
+
+    def settings(self, bucket: str, **extra: Any) -> Any:
+        from agentenv.config import S3Settings
+
+        return S3Settings(
+            bucket=bucket,
+            endpoint_url=self.endpoint,
+            region=REGION,
+            access_key_id=ACCESS_KEY,
+            secret_access_key=SECRET_KEY,
+            **extra,
+        )
+
+
+@contextlib.contextmanager
+def s3_server(ready_timeout: float = 30.0) -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1; stopped (and its in-memory buckets gone) afterwards."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="ae-moto-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = S3Server(f"http://127.0.0.1:{port}", proc, Path(log.name))
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited ({proc.returncode}): {server.log_path.read_text()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(server.endpoint + "/moto-api/", timeout=1).status_code < 500:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto server not ready in {ready_timeout} s")
+            time.sleep(0.1)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        Path(log.name).unlink(missing_ok=True)

@@ -1,0 +1,356 @@
+"""The snapshot store against a real S3-protocol server (moto's server mode, a process started
+here) and the directory backend: chunking and holes, dedupe between a parent and a child,
+upload and fetch, disk layers with overlayfs markers, deletes that free unshared chunks, the
+local cache's LRU eviction under a small cap (never a pinned copy), adoption by a second node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import secrets
+import stat
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import pytest
+import pytest_asyncio
+
+from agentenv.config import S3Settings
+from agentenv.errors import Invalid
+from agentenv.orchestrator.background import Background
+from agentenv.orchestrator.catalog import SnapshotCatalog
+from agentenv.orchestrator.durable import DurableSnapshots
+from agentenv.storage import snapshots as storage
+from agentenv.storage.objectstore import DirectoryBackend, S3Backend, SnapshotObjects
+from agentenv.storage.snapshots import SnapshotRow
+from tests.support.s3 import S3Server, s3_server
+
+ASYNC = pytest.mark.asyncio(loop_scope="session")
+
+CHUNK = 64 << 10  # small chunks: the tests' files span several
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
+
+
+def snap_id() -> str:
+    return "snap" + secrets.token_hex(8)
+
+
+def layer_id() -> str:
+    return "l" + secrets.token_hex(8)
+
+
+def s3_objects(s3: S3Server, bucket: str) -> SnapshotObjects:
+    return SnapshotObjects(S3Backend(s3.settings(bucket)), chunk_bytes=CHUNK, concurrency=4)
+
+
+def write_snapshot(data_dir: Path, sid: str, memory: bytes, layers: list[str]) -> Path:
+    """A committed snapshot directory shaped like the gVisor runtime's: memory image + meta."""
+    path = storage.final_path(data_dir, sid)
+    (path / "memory").mkdir(parents=True)
+    (path / "memory" / "pages.img").write_bytes(memory)
+    (path / "meta.json").write_text(f'{{"format": 2, "layers": {layers!r}}}'.replace("'", '"'))
+    return path
+
+
+def write_layer(data_dir: Path, lid: str, files: dict[str, bytes]) -> Path:
+    root = data_dir / "disk-layers" / lid
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def tree(root: Path) -> dict[str, Any]:
+    """Everything a layer is made of: type, mode, owner, size, content, device, xattrs."""
+    out: dict[str, Any] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            st = p.lstat()
+            xattrs = {
+                x: os.getxattr(p, x, follow_symlinks=False) for x in os.listxattr(p, follow_symlinks=False)
+            }
+            data = p.read_bytes() if stat.S_ISREG(st.st_mode) else None
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_uid, st.st_gid, st.st_rdev, data, xattrs)
+    return out
+
+
+def row_of(sid: str, name: str | None = None, kind: str = "snapshot") -> SnapshotRow:
+    return SnapshotRow(
+        snapshot_id=sid,
+        kind=kind,  # type: ignore[arg-type]
+        source_sandbox_id="sbx1",
+        runtime="gvisor",
+        template_id="base",
+        created_at=dt.datetime.now(dt.UTC),
+        name=name,
+        info={},
+    )
+
+
+# -- the store itself ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["s3", "directory"])
+def test_upload_and_fetch_round_trip_keeps_holes_out(s3: S3Server, tmp_path: Path, backend: str) -> None:
+    if backend == "s3":
+        bucket = s3.new_bucket()
+        objects = s3_objects(s3, bucket)
+    else:
+        objects = SnapshotObjects(DirectoryBackend(tmp_path / "store"), chunk_bytes=CHUNK)
+    sid = snap_id()
+    # 3 chunks of data, 4 of zeros (a hole), half a chunk of data at the end.
+    memory = os.urandom(3 * CHUNK) + bytes(4 * CHUNK) + os.urandom(CHUNK // 2)
+    lid = layer_id()
+    write_layer(tmp_path, lid, {"etc/hello": b"hello", "big": os.urandom(2 * CHUNK + 5)})
+    src = write_snapshot(tmp_path, sid, memory, [lid])
+    report = objects.upload(
+        src,
+        row_of(sid).__dict__ | {"created_at": 0},
+        layers=[lid],
+        layer_path=lambda x: tmp_path / "disk-layers" / x,
+    )
+    assert report.new_layers == [lid] and report.reused_layers == []
+    pages = next(f for f in report.manifest.files if f.path == "memory/pages.img")
+    assert [h is None for h, _ in pages.chunks] == [False] * 3 + [True] * 4 + [False]
+    chunk_keys = list(objects.backend.list("chunks/"))
+    assert len(chunk_keys) == report.sent_chunks and report.sent_chunks >= 4  # the hole is not stored
+
+    manifest = objects.manifest(sid)
+    assert manifest is not None and manifest.layers == [lid]
+    dest = tmp_path / "fetched"
+    fetched = objects.fetch(manifest, dest)
+    assert (dest / "memory" / "pages.img").read_bytes() == memory
+    assert (dest / "meta.json").read_bytes() == (src / "meta.json").read_bytes()
+    # The hole came back as a hole, not as written zeros.
+    assert os.stat(dest / "memory" / "pages.img").st_blocks * 512 < len(memory) - 3 * CHUNK
+    # Only what is not a hole travelled (and was checked against its hash on the way).
+    assert fetched.fetched_bytes == len(memory) - 4 * CHUNK + (src / "meta.json").stat().st_size
+    layer_dest = tmp_path / "layer-fetched"
+    objects.fetch_layer(lid, layer_dest)
+    assert tree(layer_dest) == tree(tmp_path / "disk-layers" / lid)
+
+
+@pytest.mark.requires_root("overlayfs whiteouts are 0:0 character devices and trusted.* xattrs")
+def test_layer_keeps_overlay_markers_owners_and_modes(s3: S3Server, tmp_path: Path) -> None:
+    objects = s3_objects(s3, s3.new_bucket())
+    lid = layer_id()
+    root = write_layer(tmp_path, lid, {"home/user/file": b"data", "etc/conf": b"x" * 1000})
+    os.mknod(root / "gone", stat.S_IFCHR | 0o600, os.makedev(0, 0))
+    os.mkdir(root / "opaque")
+    os.setxattr(root / "opaque", "trusted.overlay.opaque", b"y")
+    os.chown(root / "home" / "user" / "file", 1000, 1000)
+    os.chmod(root / "etc" / "conf", 0o4755)
+    os.symlink("/etc/conf", root / "link")
+    assert objects.upload_layer(lid, root, _report(objects))
+    assert not objects.upload_layer(lid, root, _report(objects))  # stored once, by id
+    dest = tmp_path / "fetched"
+    objects.fetch_layer(lid, dest)
+    assert tree(dest) == tree(root)
+    assert stat.S_ISCHR(os.lstat(dest / "gone").st_mode) and os.lstat(dest / "gone").st_rdev == 0
+
+
+def _report(objects: SnapshotObjects) -> Any:
+    from agentenv.storage.objectstore import Manifest, UploadReport
+
+    return UploadReport(Manifest("x", {}, [], [], None))
+
+
+def test_child_shares_parent_chunks_and_layers_and_delete_frees_only_unshared(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    bucket = s3.new_bucket()
+    objects = s3_objects(s3, bucket)
+    layers = tmp_path / "disk-layers"
+    base_layer, child_layer = layer_id(), layer_id()
+    write_layer(tmp_path, base_layer, {"a": os.urandom(3 * CHUNK)})
+    write_layer(tmp_path, child_layer, {"b": os.urandom(CHUNK // 3)})
+    parent_mem = os.urandom(6 * CHUNK)
+    child_mem = parent_mem[: 5 * CHUNK] + os.urandom(CHUNK)  # the last chunk differs
+    parent, child = snap_id(), snap_id()
+    p_dir = write_snapshot(tmp_path, parent, parent_mem, [base_layer])
+    c_dir = write_snapshot(tmp_path, child, child_mem, [child_layer, base_layer])
+
+    def upload(sid: str, path: Path, chain: list[str]) -> Any:
+        row = row_of(sid).__dict__ | {"created_at": 0}
+        return objects.upload(path, row, layers=chain, layer_path=lambda x: layers / x)
+
+    p_report = upload(parent, p_dir, [base_layer])
+    c_report = upload(child, c_dir, [child_layer, base_layer])
+    assert c_report.reused_layers == [base_layer] and c_report.new_layers == [child_layer]
+    # Five memory chunks are the parent's: only the changed one, meta and the new layer are sent.
+    assert c_report.reused_chunks >= 5
+    assert c_report.sent_bytes < p_report.sent_bytes / 2
+    before = set(s3.keys(bucket))
+
+    # Deleting the child frees its own chunks and layer, never the parent's.
+    removed = objects.delete(child, grace_seconds=0)
+    after = set(s3.keys(bucket))
+    assert after == before - {"agentenv/" + k for k in removed}
+    assert (
+        f"agentenv/layers/{child_layer}.json" not in after and f"agentenv/layers/{base_layer}.json" in after
+    )
+    assert f"agentenv/snapshots/{child}.json" not in after
+    assert len([k for k in removed if k.startswith("chunks/")]) >= 2  # the changed memory chunk, layer b
+    manifest = objects.manifest(parent)
+    assert manifest is not None
+    objects.fetch(manifest, tmp_path / "p")
+    assert (tmp_path / "p" / "memory" / "pages.img").read_bytes() == parent_mem
+    objects.fetch_layer(base_layer, tmp_path / "pl")
+
+    # The last snapshot gone, nothing is left of either.
+    objects.delete(parent, grace_seconds=0)
+    assert s3.keys(bucket) == []
+
+
+def test_sweep_spares_young_unnamed_chunks(s3: S3Server, tmp_path: Path) -> None:
+    """An upload elsewhere may be about to name a chunk: unnamed chunks younger than the grace
+    period survive a collection; older ones go."""
+    objects = s3_objects(s3, s3.new_bucket())
+    objects.backend.put("chunks/" + "0" * 64, b"orphan")
+    assert objects.collect(grace_seconds=3600) == []
+    assert objects.collect(grace_seconds=0) == ["chunks/" + "0" * 64]
+
+
+def test_bad_names_are_refused(tmp_path: Path) -> None:
+    objects = SnapshotObjects(DirectoryBackend(tmp_path))
+    with pytest.raises(Invalid):
+        objects.manifest("../../etc/passwd")
+    assert objects.find("../x") is None
+    with pytest.raises(Invalid):
+        SnapshotObjects(DirectoryBackend(tmp_path), chunk_bytes=10)
+
+
+# -- the catalog on the store: cache cap, pins, adoption -------------------------------------------
+
+
+class Node:
+    """One node's snapshot catalog on its own data dir and registry, sharing ``bucket``."""
+
+    def __init__(self, data_dir: Path, settings: S3Settings) -> None:
+        self.data_dir = data_dir
+        self.background = Background()
+        objects = SnapshotObjects.from_settings(settings)
+        assert objects is not None
+        objects.chunk_bytes = CHUNK
+        self.durable = DurableSnapshots(
+            data_dir,
+            settings,
+            templates_dir=data_dir / "templates",
+            objects=objects,
+            background=self.background,
+        )
+        self.catalog = SnapshotCatalog(data_dir, durable=self.durable)
+        self.db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.db = await aiosqlite.connect(self.data_dir / "db.sqlite3")
+        self.db.row_factory = aiosqlite.Row
+        await self.catalog.open(self.db)
+        await self.catalog.sweep({})
+
+    async def commit(
+        self, sid: str, memory: bytes, layers: dict[str, dict[str, bytes]], kind: str = "snapshot"
+    ) -> SnapshotRow:
+        for lid, files in layers.items():
+            write_layer(self.data_dir, lid, files)
+        write_snapshot(self.data_dir, sid, memory, list(layers))
+        row = row_of(sid, name=f"name-{sid}", kind=kind)
+        await self.catalog.store.add(row)
+        await self.durable.committed(row)
+        return row
+
+    async def settle(self) -> None:
+        await self.background.drain(60)
+
+    async def close(self) -> None:
+        await self.settle()
+        assert self.db is not None
+        await self.db.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def node_factory(s3: S3Server, tmp_path: Path) -> AsyncIterator[Any]:
+    nodes: list[Node] = []
+    bucket = s3.new_bucket()
+
+    async def make(name: str, **settings: Any) -> Node:
+        node = Node(tmp_path / name, s3.settings(bucket, gc_grace_seconds=0, **settings))
+        await node.open()
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        await node.close()
+
+
+@ASYNC
+async def test_eviction_under_a_small_cap_never_takes_a_pinned_or_undurable_copy(node_factory: Any) -> None:
+    node = await node_factory("a", cache_max_mib=0)
+    mib = 1 << 20
+    rows = []
+    for _ in range(3):  # three durable snapshots of 0.6 MiB each: a 1 MiB cap holds one
+        rows.append(await node.commit(snap_id(), os.urandom(6 * mib // 10), {layer_id(): {"f": b"x"}}))
+        await node.settle()
+    pinned, lru, newest = rows
+    for r in rows:
+        info = await node.catalog.storage_info(r.snapshot_id)
+        assert info is not None and info["durable"] and info["cached"]
+    node.durable.settings = node.durable.settings.model_copy(update={"cache_max_mib": 1})
+    pause = await node.commit(snap_id(), os.urandom(mib // 2), {}, kind="pause")  # never uploaded
+    async with node.catalog.use(pinned) as ref:
+        await node.durable.copies.touch(pinned.snapshot_id)
+        await node.durable.copies.update(pinned.snapshot_id, last_used=0)  # the LRU one, but pinned
+        evicted = await node.durable.enforce_cap()
+        assert ref.path.is_dir(), "a pinned copy was evicted"
+    assert set(evicted) == {lru.snapshot_id, newest.snapshot_id}
+    assert storage.final_path(node.data_dir, pause.snapshot_id).is_dir()
+    assert not storage.final_path(node.data_dir, lru.snapshot_id).exists()
+    info = await node.catalog.storage_info(lru.snapshot_id)
+    assert info is not None and info["durable"] and not info["cached"]
+    # An evicted copy comes back from the store on its next use, byte for byte.
+    async with node.catalog.use(lru) as ref:
+        assert (ref.path / "memory" / "pages.img").stat().st_size == 6 * mib // 10
+    info = await node.catalog.storage_info(lru.snapshot_id)
+    assert info is not None and info["cached"]
+    # The row of an evicted copy survives a restart's sweep (its directory is missing on purpose).
+    await node.settle()
+    evicted = await node.durable.enforce_cap()
+    await node.catalog.sweep({})
+    for sid in evicted:
+        assert await node.catalog.get(sid) is not None
+
+
+@ASYNC
+async def test_second_node_adopts_and_fetches_a_snapshot_it_never_had(node_factory: Any) -> None:
+    a = await node_factory("a")
+    b = await node_factory("b")
+    lid = layer_id()
+    files = {"home/user/notes.txt": b"from node a", "blob": os.urandom(3 * CHUNK)}
+    memory = os.urandom(5 * CHUNK)
+    row = await a.commit(snap_id(), memory, {lid: files})
+    await a.settle()
+    assert await b.catalog.find_user_snapshot("no-such-snapshot") is None
+    adopted = await b.catalog.find_user_snapshot(f"team/{row.name}:default")  # by name, as the SDK sends it
+    assert adopted is not None and adopted.snapshot_id == row.snapshot_id
+    info = await b.catalog.storage_info(row.snapshot_id)
+    assert info is not None and info["durable"] and not info["cached"]
+    async with b.catalog.use(adopted) as ref:
+        assert (ref.path / "memory" / "pages.img").read_bytes() == memory
+        assert tree(b.data_dir / "disk-layers" / lid) == tree(a.data_dir / "disk-layers" / lid)
+    # Deleting it on b deletes it from the store: a third node finds nothing.
+    await b.catalog.delete(row.snapshot_id)
+    c = await node_factory("c")
+    assert await c.catalog.find_user_snapshot(row.snapshot_id) is None
+    await asyncio.sleep(0)

@@ -1,0 +1,207 @@
+"""The pure parts of agentenv.rl: actions as shell commands, bounded concurrency, trajectories as
+JSON lines, GRPO advantages, tree shape, the rollback request, and its import-linter contract.
+The parts that talk to a server are in tests/system/test_rl.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import httpx
+import pytest
+
+from agentenv.rl import Code, Command, Connection, ForkTree, RunResult, Trajectory, advantages
+from agentenv.rl.actions import as_command, bounded, describe, per_member
+from agentenv.rl.api import RollbackError, check_rollback, rollback_request
+from tests.unit.test_import_layers import REPO, lint_imports
+
+
+def result(sandbox_id: str = "sbx", code: int | None = 0, out: str = "", err: str = "") -> RunResult:
+    return RunResult(sandbox_id, code, out, err, duration_s=0.25, started_at=1.0)
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+def test_a_string_is_a_shell_command_and_code_runs_in_python_from_a_quoted_document() -> None:
+    assert as_command("echo hi") == Command("echo hi")
+    source = "print('$HOME `x` \"q\"')\nimport sys\n"
+    cmd = as_command(Code(source, user="root", cwd="/tmp"))
+    assert cmd.user == "root" and cmd.cwd == "/tmp"
+    assert cmd.cmd.startswith("python3 -c \"$(cat <<'AGENTENV_CODE_")
+    marker = cmd.cmd.split("<<'")[1].split("'")[0]
+    assert f'\n{source}\n{marker}\n)"' in cmd.cmd  # verbatim: a quoted here-document expands nothing
+    assert describe(Code(source)) == ("code:python", source)
+    assert describe("ls") == ("command", "ls")
+
+
+def test_the_code_document_runs_in_a_real_shell_verbatim() -> None:
+    """The command as bash would run it in the sandbox (here on the host), quotes and all."""
+    source = "import sys\nprint('a $HOME `b` \"c\"', sys.argv[0])\nprint('AGENTENV_CODE_' + 'x')"
+    if shutil.which("bash") is None or shutil.which("python3") is None:
+        pytest.skip("needs bash and python3 on the host")
+    done = subprocess.run(["bash", "-c", as_command(Code(source)).cmd], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == 'a $HOME `b` "c" -c\nAGENTENV_CODE_x\n'
+
+
+def test_per_member_actions() -> None:
+    assert per_member("x", 3) == ["x", "x", "x"]
+    assert per_member(lambda i: f"echo {i}", 2) == ["echo 0", "echo 1"]
+    assert per_member(["a", Code("b")], 2) == ["a", Code("b")]
+    with pytest.raises(ValueError, match="3 actions for 2 members"):
+        per_member(["a", "b", "c"], 2)
+
+
+def test_run_result_ok_and_output() -> None:
+    assert result(out="o", err="e").output == "oe"
+    assert result().ok and not result(code=1).ok
+    assert not RunResult("s", None, "", "", 1.0, 0.0, error="timeout").ok
+
+
+async def test_bounded_keeps_order_and_the_limit() -> None:
+    running = peak = 0
+
+    async def job(i: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01 * (5 - i))
+        running -= 1
+        return i
+
+    assert await bounded(2, [lambda i=i: job(i) for i in range(5)]) == [0, 1, 2, 3, 4]
+    assert peak == 2
+    with pytest.raises(ValueError):
+        await bounded(0, [])
+
+
+async def test_bounded_lets_every_job_end_before_raising() -> None:
+    ended: list[int] = []
+
+    async def job(i: int) -> int:
+        await asyncio.sleep(0.01 * i)
+        ended.append(i)
+        if i == 0:
+            raise RuntimeError("first")
+        return i
+
+    with pytest.raises(RuntimeError, match="first"):
+        await bounded(3, [lambda i=i: job(i) for i in range(3)])
+    assert sorted(ended) == [0, 1, 2]
+
+
+# -- trajectories ----------------------------------------------------------------------------------
+
+
+def test_trajectory_numbers_steps_per_member_and_round_trips_json_lines(tmp_path: Path) -> None:
+    traj = Trajectory("test")
+    a = traj.record("0", "echo a", result("s0", out="a\n"))
+    traj.record("1", Code("print(1)"), result("s1", code=3), parent="root", note="x")
+    b = traj.record("0", "echo b", result("s0"))
+    traj.set_reward(b, 0.5)
+    assert [s.index for s in traj.of("0")] == [0, 1] and traj.members() == ["0", "1"]
+    lines = traj.to_jsonl().splitlines()
+    assert len(lines) == 3 and all(json.loads(line)["source"] == "test" for line in lines)
+    steps = Trajectory.read_jsonl(traj.to_jsonl())
+    assert steps[0] == a and steps[2].reward == 0.5
+    assert steps[1].kind == "code:python" and steps[1].exit_code == 3
+    assert steps[1].parent == "root" and steps[1].info == {"note": "x"}
+    path = traj.write_jsonl(tmp_path / "t.jsonl")
+    traj.write_jsonl(path)  # appends
+    assert len(path.read_text().splitlines()) == 6
+    with pytest.raises(ValueError):
+        traj.set_reward(b, 1.0)  # b itself was replaced by its rewarded copy
+
+
+def test_set_reward_of_a_step_not_in_the_trajectory_fails() -> None:
+    traj = Trajectory()
+    other = Trajectory().record("0", "x", result())
+    with pytest.raises(ValueError, match="not in this trajectory"):
+        traj.set_reward(other, 1.0)
+
+
+# -- GRPO and trees -------------------------------------------------------------------------------
+
+
+def test_advantages_are_group_normalised() -> None:
+    adv = advantages([0.0, 0.0, 1.0, 1.0])
+    assert adv == [-1.0, -1.0, 1.0, 1.0]
+    assert advantages([0.3, 0.3]) == [0.0, 0.0]
+    assert advantages([]) == []
+    skewed = advantages([1.0, 0.0, 0.0, 0.0])
+    assert abs(sum(skewed)) < 1e-12 and skewed[0] > 0
+
+
+def fake_sandbox(sandbox_id: str) -> Any:
+    config = SimpleNamespace(api_key="k", api_url="http://api", headers={}, request_timeout=None)
+    return SimpleNamespace(sandbox_id=sandbox_id, connection_config=config)
+
+
+def test_tree_shape_lineage_subtree_and_leaves() -> None:
+    from agentenv.rl.tree import Node
+
+    tree = ForkTree(fake_sandbox("root"))
+    for node_id, parent in [("a", "root"), ("b", "root"), ("a1", "a"), ("a2", "a")]:
+        up = tree.nodes[parent]
+        tree.nodes[node_id] = Node(node_id, fake_sandbox(node_id), parent, up.depth + 1, "snapX")
+        up.children.append(node_id)
+    assert [n.node_id for n in tree.lineage(tree.nodes["a2"])] == ["a2", "a", "root"]
+    assert [n.node_id for n in tree.subtree(tree.nodes["a"])] == ["a", "a1", "a2"]
+    assert {n.node_id for n in tree.leaves()} == {"a1", "a2", "b"}
+    tree.nodes["a1"].sandbox = None
+    tree.nodes["a2"].sandbox = None
+    assert {n.node_id for n in tree.leaves()} == {"a", "b"}
+    shape = tree.to_dict()
+    assert shape["root"] == "root" and len(shape["nodes"]) == 5
+    with pytest.raises(ValueError, match="pruned"):
+        tree.nodes["a1"].live()
+
+
+# -- the rollback request -------------------------------------------------------------------------
+
+
+def test_rollback_request_uses_the_sdk_connection() -> None:
+    config = SimpleNamespace(
+        api_url="http://127.0.0.1:3000/", api_key="e2b_k", headers={"User-Agent": "x"}, request_timeout=5
+    )
+    req = rollback_request(cast(Any, config), "sbx1", "snap1")
+    assert req["url"] == "http://127.0.0.1:3000/sandboxes/sbx1/rollback"
+    assert req["json"] == {"snapshotID": "snap1"}
+    assert req["headers"] == {"User-Agent": "x", "X-API-Key": "e2b_k"}
+    assert req["timeout"] >= 120  # a kill and a restore: never cut at the SDK's short default
+
+
+def test_rollback_errors_carry_the_e2b_shape() -> None:
+    check_rollback(httpx.Response(200, json={}))
+    with pytest.raises(RollbackError) as raised:
+        check_rollback(httpx.Response(404, json={"code": 404, "message": "snapshot 'x' not found"}))
+    assert raised.value.code == 404 and raised.value.message == "snapshot 'x' not found"
+    with pytest.raises(RollbackError, match="502: bad gateway"):
+        check_rollback(httpx.Response(502, text="bad gateway"))
+
+
+def test_connection_passes_only_what_is_set() -> None:
+    assert Connection().opts() == {}
+    assert Connection(api_key="k", request_timeout=3).opts() == {"api_key": "k", "request_timeout": 3}
+
+
+# -- the layer contract ---------------------------------------------------------------------------
+
+
+def test_rl_importing_a_server_layer_is_caught(tmp_path: Path) -> None:
+    shutil.copytree(
+        REPO / "agentenv", tmp_path / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+    )
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "agentenv" / "rl" / "offender.py").write_text("import agentenv.orchestrator.lifecycle\n")
+
+    outcome = lint_imports(tmp_path)
+
+    assert outcome.returncode != 0
+    assert "agentenv.rl.offender -> agentenv.orchestrator.lifecycle" in outcome.stdout
