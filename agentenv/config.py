@@ -73,8 +73,8 @@ class S3Settings(BaseModel):
     cache_max_mib: int = 20480
     #: Size of the content-addressed chunks files and layer archives are cut into.
     chunk_mib: int = 8
-    #: Chunks transferred at once.
-    concurrency: int = 8
+    #: Chunks transferred at once (each upload or fetch holds this many in memory).
+    concurrency: int = 4
     #: Also store template root file systems (once per template build) so that a node without
     #: the template can restore its snapshots.
     upload_templates: bool = True
@@ -104,6 +104,17 @@ class Settings(BaseSettings):
     s3: S3Settings = S3Settings()
     #: Domain used for ``{port}-{sandbox_id}.{domain}`` Host routing.
     domain: str = "localhost"
+    #: Sandbox URLs over HTTPS (agentenv/api/tls.py): ``sandbox.get_host(port)`` is
+    #: ``{port}-{sandbox_id}.{sandbox_domain}:{tls_port}``; two labels at least (TLS wildcards).
+    sandbox_domain: str = "agentenv.localhost"
+    #: Port of the HTTPS listener (on ``host``) serving sandbox URLs; 0 turns it off.
+    tls_port: int = 3443
+    #: ``address:port`` of the DNS responder for ``*.{sandbox_domain}`` (agentenv/api/dns.py), e.g.
+    #: ``127.0.0.153:53``; empty: none (the README shows the resolver set-ups).
+    dns_listen: str = ""
+    #: Where the responder forwards every other name (``address[:port]``); empty: the first
+    #: nameserver of /etc/resolv.conf that is not the responder itself.
+    dns_upstream: str = ""
     #: Subnet sandboxes get their /30 links from (host side .1, sandbox side .2).
     sandbox_subnet: str = "10.213.0.0/16"
     default_timeout_seconds: int = 300

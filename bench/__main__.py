@@ -122,7 +122,7 @@ def update_readme(summary: str) -> None:
         readme.write_text(pattern.sub(lambda m: m.group(1) + summary + m.group(2), text))
 
 
-BENCHMARKS = ("core", "lifecycle", "density", "runtimes")
+BENCHMARKS = ("core", "lifecycle", "density", "runtimes", "s3", "rl")
 
 
 def _optional(name: str) -> object | None:
@@ -175,6 +175,17 @@ def main() -> None:
     if runtimes is not None:
         # runtimes starts a server per runtime: the URL and key arguments are not used.
         attempt("runtimes", lambda: runtimes.run("", "", args.runs))  # type: ignore[attr-defined]
+
+    if "s3" in wanted:
+        from bench import s3
+
+        attempt("s3", lambda: s3.run(args.runs))
+
+    if "rl" in wanted:
+        from bench import rl
+
+        # rl starts its own server (production settings); its rollout count is its own setting.
+        attempt("rl", lambda: rl.run(args.runs))
 
     # The summary covers every recorded benchmark, also those not re-run this time.
     recorded = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Response
 from agentenv.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
 from agentenv.api.console import install as install_console
 from agentenv.api.errors import install_error_handlers
+from agentenv.api.limits import BodyLimit
 from agentenv.api.proxy import SandboxProxy
 from agentenv.config import Settings
 from agentenv.orchestrator.lifecycle import Orchestrator, build_orchestrator
@@ -99,6 +100,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         hub.proxy = SandboxProxy(inner, settings, lambda: hub.orchestrator)
         return hub.proxy
 
+    # Inside the proxy: only control-plane requests (E2B's 16 MiB cap, limits.py).
+    app.add_middleware(BodyLimit)
     app.add_middleware(_ProxyFactory, factory=make_proxy)
     return app
 

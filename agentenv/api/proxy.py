@@ -62,7 +62,7 @@ ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", "e2b-traffic-
 #: the host link, never through the public sandbox URL.
 ENVD_INTERNAL_PATHS = frozenset({"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw"})
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
-_HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[A-Za-z0-9-]+)\.(?P<domain>.+)$")
+_HOST_RE = re.compile(r"^(?P<port>[0-9]{1,5})-(?P<sandbox>[A-Za-z0-9-]+)\.(?P<domain>.+)$")
 _CONNECT_TIMEOUT_S = 10.0
 #: Idle upstream connections are dropped after this long (envd keeps them 60 s).
 _IDLE_EXPIRY_S = 30.0
@@ -96,18 +96,25 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def find_target(scope: Scope, domain: str) -> Target | None:
+def is_ascii_number(text: str) -> bool:
+    """Digits 0-9 only: ``str.isdigit`` also accepts ``²`` and other Unicode digits, on which
+    ``int()`` fails (a 500) or which name ports nobody meant."""
+    return text.isascii() and text.isdigit()
+
+
+def find_target(scope: Scope, domain: str | tuple[str, ...]) -> Target | None:
     """The sandbox and port a request is for, or None when it is a control-plane request."""
     sid = _header(scope, b"e2b-sandbox-id")
     port = _header(scope, b"e2b-sandbox-port")
     if sid and port:
-        if not port.isdigit():
+        if not is_ascii_number(port):
             return Target(sandbox_id=normalise_sandbox_id(sid), port=-1)
         return Target(sandbox_id=normalise_sandbox_id(sid), port=int(port))
     host = _header(scope, b"host") or ""
     hostname = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
     m = _HOST_RE.match(hostname.lower())
-    if m and m.group("domain") == domain.lower():
+    domains = (domain,) if isinstance(domain, str) else domain
+    if m and m.group("domain") in {d.lower() for d in domains}:
         return Target(sandbox_id=normalise_sandbox_id(m.group("sandbox")), port=int(m.group("port")))
     return None
 
@@ -392,7 +399,8 @@ class SandboxProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
-            target = find_target(scope, self.settings.domain)
+            # Plain-HTTP names (``domain``) and the HTTPS sandbox URLs (``sandbox_domain``).
+            target = find_target(scope, (self.settings.domain, self.settings.sandbox_domain))
             if target is None and scope["type"] == "http" and scope.get("path") == "/files":
                 target = self._signed_target(scope)
             if target is not None:
@@ -413,7 +421,7 @@ class SandboxProxy:
         if not signature:
             return None
         raw_expiration = (params.get("signature_expiration") or [""])[0]
-        expiration = int(raw_expiration) if raw_expiration.isdigit() else None
+        expiration = int(raw_expiration) if is_ascii_number(raw_expiration) else None
         operation = "read" if scope.get("method") == "GET" else "write"
         path, user = (params.get("path") or [""])[0], (params.get("username") or [""])[0]
         for route in self._orchestrator().routes():
@@ -471,7 +479,7 @@ class SandboxProxy:
             await send_error(send, code, message, target.sandbox_id)
             return
         length = _header(scope, b"content-length")
-        if length and length.isdigit() and int(length) > limit:
+        if length and is_ascii_number(length) and int(length) > limit:
             # Read the body anyway: most HTTP/1.1 clients only look at the answer once sent.
             await down.drain()
             await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")

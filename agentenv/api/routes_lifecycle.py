@@ -102,7 +102,7 @@ async def list_snapshots(
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,
 ) -> JSONResponse:
     rows = await orch.list_snapshots(normalise_sandbox_id(sandbox_id) if sandbox_id else None, name)
-    start = int(next_token) if next_token and next_token.isdigit() else 0
+    start = int(next_token) if next_token and next_token.isascii() and next_token.isdigit() else 0
     page = rows[start : start + limit]
     headers = {"x-next-token": str(start + limit)} if start + limit < len(rows) else {}
     return JSONResponse([await snapshot_body(orch, r) for r in page], headers=headers)

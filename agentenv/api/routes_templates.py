@@ -201,7 +201,8 @@ async def upload_files(
     return Response(status_code=200)
 
 
-def _spec(body: TemplateBuildStartV2) -> BuildSpec:
+def build_spec(body: TemplateBuildStartV2) -> BuildSpec:
+    """The builder's spec of a ``TemplateBuildStartV2`` body (the CLI reads the same JSON)."""
     reg = body.from_image_registry
     return BuildSpec(
         from_template=body.from_template,
@@ -218,7 +219,7 @@ def _spec(body: TemplateBuildStartV2) -> BuildSpec:
 async def start_build(
     request: Request, template_id: str, build_id: str, body: TemplateBuildStartV2
 ) -> Response:
-    builder(request).start(storage.split_name(template_id)[0], build_id, _spec(body))
+    builder(request).start(storage.split_name(template_id)[0], build_id, build_spec(body))
     return Response(status_code=202)
 
 

@@ -7,13 +7,36 @@ server); responses are serialised by alias (``sandboxID``, ``envdVersion``, ...)
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 #: E2B caps a sandbox's life at 24 hours.
 MAX_TIMEOUT_SECONDS = 86_400
 INT32_MAX = 2**31 - 1
+#: Sandbox metadata limits (ours). E2B's API states none for sandbox metadata: it is bounded
+#: only by its 16 MiB request limit (api/limits.py) and gRPC's default 4 MiB message on the way
+#: to its orchestrator (a failure there, not a 400). 64 KiB keeps every listing and record small
+#: while leaving room for what SDK users keep there (ids, tags, small JSON).
+MAX_METADATA_KEY_BYTES = 256
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def _bounded_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if not metadata:
+        return metadata
+    total = 0
+    for key, value in metadata.items():
+        key_bytes = len(key.encode())
+        if key_bytes > MAX_METADATA_KEY_BYTES:
+            raise ValueError(f"metadata key {key[:32]!r}... is longer than {MAX_METADATA_KEY_BYTES} bytes")
+        total += key_bytes + len(value.encode())
+    if total > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata of {total} bytes exceeds the limit of {MAX_METADATA_BYTES} bytes")
+    return metadata
+
+
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_bounded_metadata)]
 
 
 class _Request(BaseModel):
@@ -70,7 +93,7 @@ class NewSandbox(_Request):
     secure: bool | None = None
     allow_internet_access: bool | None = None
     network: SandboxNetworkConfig | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     mcp: dict[str, Any] | None = None
     volume_mounts: list[VolumeMount] | None = Field(None, alias="volumeMounts")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
+from agentenv.api import dns, tls
 from agentenv.api.app import create_app
 from agentenv.config import Settings
+from agentenv.errors import Invalid
 from agentenv.runtime.registry import select_runtime
 
 log = logging.getLogger("agentenv.serve")
@@ -51,12 +58,61 @@ def run(host: str | None = None, port: int | None = None) -> None:
     log.info("data directory: %s; templates: %s", settings.data_dir, settings.templates_dir)
 
     app = create_app(settings, runtime=runtime)
+    # Bound before anything is printed: a port in use is a clear error, not a half-started node.
+    tls_socket = _bind(settings.host, settings.tls_port) if settings.tls_port else None
+    tls_files = tls.ensure_tls(settings) if tls_socket else None
+    if tls_socket is not None:
+        # What the API answers as ``domain``: ``sandbox.get_host(port)`` names the HTTPS listener.
+        app.state.public_domain = tls.public_domain(settings)
     # Printed on stdout (logs go to stderr) so a script can capture exactly these lines.
     print(f"agentenv listening on http://{settings.host}:{settings.port}", flush=True)
     print(f"API key: {settings.effective_api_keys()[0]}", flush=True)
     print("Point the E2B SDKs here with:", flush=True)
     print(connection_help(settings), flush=True)
-    uvicorn.run(
+    if tls_files is not None:
+        print(sandbox_url_help(settings, tls_files), flush=True)
+    asyncio.run(_serve(app, settings, tls_socket, tls_files))
+
+
+def sandbox_url_help(settings: Settings, files: tls.TlsFiles) -> str:
+    domain = tls.public_domain(settings)
+    return "\n".join(
+        [
+            f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host(port)); trust the CA with:",
+            f"export SSL_CERT_FILE={files.bundle}",
+            f"export NODE_EXTRA_CA_CERTS={files.ca}",
+        ]
+    )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise Invalid(
+            f"cannot listen for sandbox URLs on {host}:{port}: {exc.strerror or exc} "
+            "(set AGENTENV_TLS_PORT to a free port, or 0 to turn sandbox URLs off)"
+        ) from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Secondary(uvicorn.Server):
+    """The HTTPS listener: the same app, no lifespan of its own and no signal handlers (the main
+    server owns both; it stops this one when it stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _config(app: Any, settings: Settings, **extra: Any) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -64,4 +120,44 @@ def run(host: str | None = None, port: int | None = None) -> None:
         # The SDK keeps connections alive between calls; long idle streams are the norm.
         timeout_keep_alive=75,
         access_log=False,
+        **extra,
     )
+
+
+async def _serve(
+    app: Any, settings: Settings, tls_socket: socket.socket | None, tls_files: tls.TlsFiles | None
+) -> None:
+    main = uvicorn.Server(_config(app, settings))
+    if tls_socket is None or tls_files is None:
+        await main.serve()
+        return
+    secure = _Secondary(
+        _config(app, settings, lifespan="off", ssl_certfile=str(tls_files.cert), ssl_keyfile=str(tls_files.key))
+    )
+    resolver = None
+    if settings.dns_listen:
+        address = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+        resolver, bound = await dns.start_dns(
+            settings.dns_listen, settings.sandbox_domain, address, settings.dns_upstream
+        )
+        print(f"DNS for *.{settings.sandbox_domain} on {bound[0]}:{bound[1]}", flush=True)
+
+    async def stop_with_main() -> None:
+        while not main.should_exit:
+            await asyncio.sleep(0.2)
+        secure.should_exit = True
+
+    watcher = asyncio.ensure_future(stop_with_main())
+    serving = asyncio.ensure_future(main.serve())
+    try:
+        # HTTPS opens once the main server's lifespan has started the orchestrator.
+        while not main.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if main.started:
+            await asyncio.gather(serving, secure.serve(sockets=[tls_socket]))
+        else:
+            await serving
+    finally:
+        watcher.cancel()
+        if resolver is not None:
+            resolver.close()

@@ -41,7 +41,8 @@ def _age(started: str | None, now: dt.datetime) -> str:
 def sandbox_table(sandboxes: list[dict[str, Any]]) -> Table:
     now = dt.datetime.now(dt.UTC)
     table = Table(box=None, header_style="bold")
-    for col in ("SANDBOX ID", "TEMPLATE", "STATE", "AGE", "ENDS IN", "CPU", "MEMORY MB", "METADATA"):
+    table.add_column("SANDBOX ID", no_wrap=True, min_width=20)  # ids are copied: never cut
+    for col in ("TEMPLATE", "STATE", "AGE", "ENDS IN", "CPU", "MEMORY MB", "METADATA"):
         table.add_column(col)
     for s in sandboxes:
         ends = s.get("endAt")
@@ -58,6 +59,11 @@ def sandbox_table(sandboxes: list[dict[str, Any]]) -> Table:
             meta,
         )
     return table
+
+
+def console() -> Console:
+    """Rich's console; piped output gets a wide one, so rows stay one line for grep and awk."""
+    return Console() if sys.stdout.isatty() else Console(width=240)
 
 
 def _states(state: list[str] | None) -> list[str]:
@@ -86,9 +92,11 @@ def list_(
             typer.echo(json.dumps(api.list_sandboxes(states, meta), indent=2))
             return
         if not watch:
-            Console().print(sandbox_table(api.list_sandboxes(states, meta)))
+            console().print(sandbox_table(api.list_sandboxes(states, meta)))
             return
-        with Live(sandbox_table(api.list_sandboxes(states, meta)), auto_refresh=False) as live:
+        with Live(
+            sandbox_table(api.list_sandboxes(states, meta)), console=console(), auto_refresh=False
+        ) as live:
             while True:
                 time.sleep(POLL_SECONDS)
                 live.update(sandbox_table(api.list_sandboxes(states, meta)), refresh=True)

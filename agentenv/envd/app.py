@@ -23,6 +23,7 @@ from agentenv.envd.filesystem_service import FilesystemService
 from agentenv.envd.fsfreeze import fsfreeze, fsthaw
 from agentenv.envd.http_common import EXCEPTION_HANDLERS, error_response, json_object
 from agentenv.envd.loginenv import LoginEnvironments, LoginKey
+from agentenv.envd.metadata_store import default_store
 from agentenv.envd.process_service import ProcessService
 from agentenv.envd.processes import ProcessTable
 from agentenv.envd.reaper import reap_orphans_forever
@@ -153,6 +154,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
     table = ProcessTable(spawner, stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)
     logins = LoginEnvironments(spawner)
     filesystem = FilesystemService(state)
+    default_store().start()  # as envd itself, before any request acts as a user (metadata_store.py)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

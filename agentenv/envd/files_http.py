@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from agentenv.envd.entries import METADATA_XATTR_PREFIX, read_metadata
+from agentenv.envd.entries import METADATA_XATTR_PREFIX
 from agentenv.envd.filesystem_service import chown_to, make_dirs
 from agentenv.envd.fsaccess import as_user
 from agentenv.envd.http_common import json_object
@@ -199,10 +199,8 @@ def _metadata(request: Request) -> dict[str, str]:
 
 
 def _apply_metadata(path: str, metadata: dict[str, str]) -> None:
-    """Replace the file's ``user.e2b.*`` xattrs with ``metadata``."""
-    for old in read_metadata(path):
-        if old not in metadata:
-            os.removexattr(path, METADATA_XATTR_PREFIX + old)
+    """``metadata`` as the ``user.e2b.*`` xattrs of ``path``, a fresh upload temp file (nothing
+    to remove: it has none yet)."""
     for key, value in metadata.items():
         os.setxattr(path, METADATA_XATTR_PREFIX + key, value.encode())
 
@@ -242,10 +240,16 @@ class _Upload:
 
     async def commit(self, metadata: dict[str, str]) -> None:
         await self._flush()
-        as_user(self.user, self.finish, metadata)
+        self.finish(metadata)
 
     def finish(self, metadata: dict[str, str]) -> None:
-        """Close; mode (kept from an overwritten file), owner and metadata; then the atomic rename."""
+        """Into place as the user; the metadata store (root's) is written as envd."""
+        in_xattrs = as_user(self.user, self._place, metadata)
+        default_store().set(self.target, {} if in_xattrs else metadata)
+
+    def _place(self, metadata: dict[str, str]) -> bool:
+        """Close; mode (kept from an overwritten file), owner and metadata; then the atomic
+        rename. True when the metadata went into xattrs."""
         self._file.close()
         try:
             mode = stat.S_IMODE(os.stat(self.target).st_mode)
@@ -261,7 +265,7 @@ class _Upload:
                 raise
             in_xattrs = False  # gVisor's gofer: the metadata store keeps it (metadata_store.py)
         os.replace(self.temp, self.target)
-        default_store().set(self.target, {} if in_xattrs else metadata)
+        return in_xattrs
 
     def abort(self) -> None:
         self._file.close()
@@ -363,12 +367,21 @@ async def upload(request: Request) -> Response:
 
 # --- compose -------------------------------------------------------------------------------------
 def _compose(sources: list[str], destination: str, user: User) -> None:
+    """Every file operation as the user; ``finish`` writes the metadata store as envd."""
+    as_user(user, _check_sources, sources)
+    _copy_into(sources, destination, user)
+    as_user(user, _remove_sources, sources, destination)
+
+
+def _check_sources(sources: list[str]) -> None:
     for source in sources:
         if not os.path.lexists(source):
             raise NotFound(f"path '{source}' does not exist")
         if os.path.isdir(source):
             raise Invalid(f"path '{source}' is a directory")
-    _copy_into(sources, destination, user)
+
+
+def _remove_sources(sources: list[str], destination: str) -> None:
     kept = os.path.realpath(destination)
     for source in dict.fromkeys(sources):
         if os.path.realpath(source) != kept:
@@ -381,15 +394,19 @@ def _copy_into(sources: list[str], destination: str, user: User) -> None:
     copy_file_range lets the file system share or copy extents in the kernel (zero-copy on
     reflink-capable file systems); it falls back to a plain copy where it is unsupported.
     """
-    upload = _Upload(destination, user)
+    upload = as_user(user, _Upload, destination, user)
     try:
-        for source in sources:
-            with open(source, "rb") as src:
-                _copy_fd(src.fileno(), upload.fileno())  # straight to the fd: nothing left to flush
+        as_user(user, _copy_sources, sources, upload.fileno())
         upload.finish({})
     except BaseException:
         upload.abort()
         raise
+
+
+def _copy_sources(sources: list[str], destination_fd: int) -> None:
+    for source in sources:
+        with open(source, "rb") as src:
+            _copy_fd(src.fileno(), destination_fd)  # straight to the fd: nothing left to flush
 
 
 def _copy_fd(src: int, dst: int) -> None:
@@ -416,7 +433,7 @@ async def compose(request: Request) -> Response:
     sources = [resolve_path(s, user) for s in sources_raw]
     destination = resolve_path(destination_raw, user)
     try:
-        await asyncio.to_thread(as_user, user, _compose, sources, destination, user)
+        await asyncio.to_thread(_compose, sources, destination, user)
     except OSError as exc:
         raise os_failure(exc, "error composing files") from exc
     return JSONResponse(_written(destination, {}))

@@ -93,7 +93,19 @@ def _move(source: str, destination: str, user: User) -> None:
         raise os_error_to_connect(exc, destination) from None
 
 
-def _make_dir(path: str, user: User) -> EntryInfo:
+# The helpers below run as the request's user (fsaccess.as_user): the kernel decides what they
+# may see and change. Entries are described afterwards, as envd, because their metadata lives
+# where only envd may read it (metadata_store.py).
+
+
+def _lstat(path: str) -> os.stat_result:
+    try:
+        return os.lstat(path)
+    except OSError as exc:
+        raise os_error_to_connect(exc, path) from None
+
+
+def _make_dir(path: str, user: User) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -109,14 +121,17 @@ def _make_dir(path: str, user: User) -> EntryInfo:
         make_dirs(path, user)
     except OSError as exc:
         raise os_error_to_connect(exc, path) from None
-    return entry_info(path)
 
 
-def _list(path: str, depth: int) -> list[EntryInfo]:
+def _scan(path: str, depth: int) -> list[tuple[str, os.stat_result]]:
     _require_directory(path)
-    entries: list[EntryInfo] = []
-    _walk(path, depth, entries)
-    return entries
+    found: list[tuple[str, os.stat_result]] = []
+    _walk(path, depth, found)
+    return found
+
+
+def _list(path: str, depth: int, user: User) -> list[EntryInfo]:
+    return [entry_from_stat(child, st) for child, st in as_user(user, _scan, path, depth)]
 
 
 def _remove(path: str) -> None:
@@ -234,13 +249,14 @@ class FilesystemService:
         self, request: StatRequest, ctx: RequestContext[StatRequest, StatResponse]
     ) -> StatResponse:
         path, user = self._path(request.path, ctx)
-        return StatResponse(entry=as_user(user, entry_info, path))
+        return StatResponse(entry=entry_from_stat(path, as_user(user, _lstat, path)))
 
     async def make_dir(
         self, request: MakeDirRequest, ctx: RequestContext[MakeDirRequest, MakeDirResponse]
     ) -> MakeDirResponse:
         path, user = self._path(request.path, ctx)
-        return MakeDirResponse(entry=as_user(user, _make_dir, path, user))
+        as_user(user, _make_dir, path, user)
+        return MakeDirResponse(entry=entry_info(path))
 
     async def move(
         self, request: MoveRequest, ctx: RequestContext[MoveRequest, MoveResponse]
@@ -251,14 +267,14 @@ class FilesystemService:
         destination = _resolve(request.destination, user)
         as_user(user, _move, source, destination, user)
         default_store().move(source, destination)  # metadata follows, as xattrs would
-        return MoveResponse(entry=as_user(user, entry_info, destination))
+        return MoveResponse(entry=entry_info(destination))
 
     async def list_dir(
         self, request: ListDirRequest, ctx: RequestContext[ListDirRequest, ListDirResponse]
     ) -> ListDirResponse:
         path, user = self._path(request.path, ctx)
         # Big trees must not stall the loop: listed in a worker thread (as the user there).
-        entries = await asyncio.to_thread(as_user, user, _list, path, request.depth or 1)
+        entries = await asyncio.to_thread(_list, path, request.depth or 1, user)
         return ListDirResponse(entries=entries)
 
     async def remove(
@@ -360,7 +376,7 @@ class FilesystemService:
         self._watchers.clear()
 
 
-def _walk(directory: str, depth: int, out: list[EntryInfo]) -> None:
+def _walk(directory: str, depth: int, out: list[tuple[str, os.stat_result]]) -> None:
     """Entries below ``directory`` down to ``depth`` levels, sorted by name (like filepath.WalkDir)."""
     try:
         with os.scandir(directory) as it:
@@ -372,7 +388,7 @@ def _walk(directory: str, depth: int, out: list[EntryInfo]) -> None:
             st = child.stat(follow_symlinks=False)
         except OSError:
             continue  # vanished while listing
-        out.append(entry_from_stat(child.path, st))
+        out.append((child.path, st))
         if depth > 1 and stat.S_ISDIR(st.st_mode):
             try:
                 _walk(child.path, depth - 1, out)

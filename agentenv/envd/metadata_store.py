@@ -11,7 +11,9 @@ An index of the entries is loaded on first use and kept in memory (envd's memory
 every checkpoint, and a fresh boot loads it again), so entries without metadata cost no system
 call. Every file system access of the store runs on one thread of its own, started with envd's
 identity: file operations run with the rights of the request's user (fsaccess.py), who may
-neither read the store's directory nor tell whether a file it cannot see still exists. Entries are keyed by path and follow the file through envd's own operations: an upload
+neither read the store's directory nor tell whether a file it cannot see still exists.
+
+Entries are keyed by path and follow the file through envd's own operations: an upload
 replaces them, ``Move`` moves them (with everything below a moved directory), ``Remove`` drops
 them. A file a process renames or deletes itself cannot be followed without xattrs: its entry is
 dropped when the path is found missing, and a new file created at the same path by a process

@@ -32,7 +32,7 @@ import shlex
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -119,9 +119,14 @@ class Build:
     created_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
     finished_at: dt.datetime | None = None
     started: bool = False
+    #: Called with every entry as it is logged (the CLI prints them).
+    listener: Callable[[LogEntry], None] | None = None
 
     def log(self, message: str, *, level: str = "info", step: str | None = None) -> None:
-        self.logs.append(LogEntry(dt.datetime.now(dt.UTC), level, message, step))
+        entry = LogEntry(dt.datetime.now(dt.UTC), level, message, step)
+        self.logs.append(entry)
+        if self.listener is not None:
+            self.listener(entry)
 
 
 @dataclass
@@ -203,7 +208,7 @@ class TemplateBuilder:
         build = self.get(template_id, build_id)
         if build.started or build.status != "waiting":
             raise Conflict(f"build '{build_id}' was already started")
-        self._check_spec(spec)
+        self.check_spec(spec)
         build.started = True
         name = f"template-build-{template_id}-{build_id}"
         if self._background is not None:
@@ -214,7 +219,8 @@ class TemplateBuilder:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _check_spec(self, spec: BuildSpec) -> None:
+    def check_spec(self, spec: BuildSpec) -> None:
+        """Refuse a spec the builder cannot run (``Invalid``), before anything starts."""
         if bool(spec.from_template) == bool(spec.from_image):
             raise Invalid("a build starts from exactly one of fromTemplate and fromImage")
         if spec.registry is not None and spec.registry.type != "registry":

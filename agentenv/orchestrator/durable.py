@@ -325,18 +325,21 @@ class DurableSnapshots:
     async def use(self, row: SnapshotRow) -> AsyncIterator[None]:
         """Hold the snapshot's local copy for a restore: pinned (never evicted meanwhile) and
         complete (what is missing fetched from the store first)."""
-        if self._copies is None or row.kind not in STORED_KINDS:
-            yield
+        if self.objects is None or self._copies is None or row.kind not in STORED_KINDS:
+            yield  # node-local only: nothing is ever evicted or fetched
             return
         sid = row.snapshot_id
         self.copies.pin(sid)
+        fetched = False
         try:
             async with self._lock(sid):
-                await self._ensure_local(row)
+                fetched = await self._ensure_local(row)
             await self.copies.touch(sid)
             yield
         finally:
             self.copies.unpin(sid)
+            if fetched:  # the cache grew while the copy was pinned: bring it back under its cap
+                self.background.spawn(self.enforce_cap(), name="snapshot-cache-cap")
 
     def _missing(self, row: SnapshotRow) -> bool:
         path = storage.final_path(self.data_dir, row.snapshot_id)
@@ -347,9 +350,10 @@ class DurableSnapshots:
         rootfs = row.info.get("template_rootfs")
         return bool(rootfs) and not Path(str(rootfs)).is_dir()
 
-    async def _ensure_local(self, row: SnapshotRow) -> None:
+    async def _ensure_local(self, row: SnapshotRow) -> bool:
+        """Fetch what this node lacks of the snapshot; whether anything was fetched."""
         if self.objects is None or not await asyncio.to_thread(self._missing, row):
-            return
+            return False
         sid = row.snapshot_id
         try:
             manifest = await asyncio.to_thread(self.objects.manifest, sid)
@@ -367,7 +371,7 @@ class DurableSnapshots:
             fetched,
             (time.monotonic() - started) * 1000,
         )
-        self.background.spawn(self.enforce_cap(), name="snapshot-cache-cap")
+        return True
 
     def _fetch_sync(self, row: SnapshotRow, manifest: Manifest) -> int:
         """Memory image and meta first (committed by rename: the meta then names the layers, so a

@@ -58,14 +58,21 @@ class EnvdClient:
     async def fsfreeze(self, instance: SandboxInstance, access_token: str | None) -> None:
         """``POST /fsfreeze``: the root flushed to disk before a filesystem-only pause kills the
         sandbox (envd.yaml; E2B's filesystem pause needs a responding envd too)."""
+        await self._post(instance, "/fsfreeze", access_token)
+
+    async def fsthaw(self, instance: SandboxInstance, access_token: str | None) -> None:
+        """``POST /fsthaw``: undo :meth:`fsfreeze` when the pause did not happen."""
+        await self._post(instance, "/fsthaw", access_token)
+
+    async def _post(self, instance: SandboxInstance, path: str, access_token: str | None) -> None:
         headers = {"X-Access-Token": access_token} if access_token else {}
-        url = instance.envd_url.rstrip("/") + "/fsfreeze"
+        url = instance.envd_url.rstrip("/") + path
         try:
             resp = await self._http.post(url, headers=headers)
         except httpx.TransportError as exc:
-            raise Unavailable(f"envd did not answer /fsfreeze at {url}: {exc}") from exc
+            raise Unavailable(f"envd did not answer {path} at {url}: {exc}") from exc
         if resp.status_code >= 300:
-            raise Unavailable(f"envd /fsfreeze answered {resp.status_code}: {resp.text[:300]}")
+            raise Unavailable(f"envd {path} answered {resp.status_code}: {resp.text[:300]}")
 
     async def close(self) -> None:
         await self._http.aclose()

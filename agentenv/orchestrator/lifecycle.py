@@ -927,12 +927,13 @@ class Orchestrator:
         started = time.monotonic()
         try:
             rec.instance = await runtime.stop_keep_disk(rec.instance)
-        except NotSupported:
-            await self._enter(rec, S.RUNNING)  # nothing was stopped
-            self._attach(rec)
-            raise
-        except Exception as exc:
-            await self._after_failed_snapshot(rec, exc)
+        except Exception as exc:  # NotSupported (a microVM runtime) stopped nothing
+            await self._after_failed_snapshot(rec, exc)  # running again if it survived
+            if rec.state == S.RUNNING:
+                try:
+                    await self.envd.fsthaw(rec.instance, rec.envd_access_token)
+                except AgentenvError as thaw_exc:
+                    log.warning("thawing the root of %s failed: %s", rec.sandbox_id, thaw_exc)
             raise_failure(exc, f"pausing sandbox {rec.sandbox_id} (filesystem only)")
         await self._paused(rec, "filesystem", started)
 

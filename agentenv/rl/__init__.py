@@ -46,7 +46,7 @@ __all__ = [
     "Trajectory",
     "advantages",
     "grpo_step",
+    "reward_tests_pass",
     "rollback",
     "run_action",
-    "reward_tests_pass",
 ]

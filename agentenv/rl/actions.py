@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
 if TYPE_CHECKING:
     from e2b import AsyncSandbox
@@ -129,15 +129,19 @@ async def bounded(limit: int, jobs: Iterable[Callable[[], Awaitable[T]]]) -> lis
         raise ValueError("concurrency must be at least 1")
     gate = asyncio.Semaphore(limit)
 
-    async def one(job: Callable[[], Awaitable[T]]) -> T:
+    async def one(job: Callable[[], Awaitable[T]]) -> tuple[T | None, BaseException | None]:
+        # Failures are carried beside the values: a job may return an exception as its value.
         async with gate:
-            return await job()
+            try:
+                return await job(), None
+            except Exception as exc:
+                return None, exc
 
-    outcomes = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return outcomes  # type: ignore[return-value]  # no exception left in it
+    outcomes = await asyncio.gather(*(one(j) for j in jobs))
+    for _, error in outcomes:
+        if error is not None:
+            raise error
+    return [cast(T, value) for value, _ in outcomes]
 
 
 def per_member(actions: Action | Sequence[Action] | Callable[[int], Action], n: int) -> list[Action]:

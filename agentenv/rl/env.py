@@ -1,7 +1,7 @@
 """A gym-style environment on one sandbox: ``reset()`` restores the task's snapshot,
 ``step(action)`` runs the agent's command or code and scores it.
 
-    env = await SandboxEnv.from_setup("base", "git clone ... /repo", reward_tests_pass("cd /repo && pytest -q"))
+    env = await SandboxEnv.from_setup("base", "git clone ... /repo", reward_tests_pass("pytest -q /repo"))
     obs = await env.reset()
     obs, reward, done, info = await env.step("sed -i 's/bug/fix/' /repo/x.py")
     await env.close()
@@ -9,8 +9,8 @@
 The first ``reset()`` creates the sandbox from the task's snapshot; every later one rolls it
 back to that snapshot in place (our API extension: same sandbox id, its files, processes and
 memory those of the snapshot). The reward function is ``reward(sandbox, result)`` returning a
-float, or ``(reward, done)``; :func:`reward_tests_pass` scores 1.0 and ends the episode when a test
-command succeeds. Steps are recorded in :attr:`SandboxEnv.trajectory` (member: ``episode-N``).
+float, or ``(reward, done)``; :func:`reward_tests_pass` scores 1.0 and ends the episode when a
+test command succeeds. Steps are recorded in :attr:`SandboxEnv.trajectory` (member: ``episode-N``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentenv.rl.actions import Action, RunResult, run_action
-from agentenv.rl.api import Connection, rollback
+from agentenv.rl.api import Connection, RollbackError, rollback
 from agentenv.rl.group import kill_quietly
 from agentenv.rl.trajectory import Trajectory
 
@@ -113,13 +113,18 @@ class SandboxEnv:
         """Start an episode in the task's state; returns the observation (``observe``'s output)."""
         from e2b import AsyncSandbox
 
+        if self.sandbox is not None:
+            try:
+                await rollback(self.sandbox, self.task_snapshot_id)
+                await self.sandbox.set_timeout(self.lifetime)
+            except RollbackError as exc:
+                if exc.code != 404:
+                    raise
+                self.sandbox = None  # it ended (its timeout, a kill): start from a new one
         if self.sandbox is None:
             self.sandbox = await AsyncSandbox.create(
                 self.task_snapshot_id, timeout=self.lifetime, **self.connection.opts()
             )
-        else:
-            await rollback(self.sandbox, self.task_snapshot_id)
-            await self.sandbox.set_timeout(self.lifetime)
         self.episode += 1
         self.steps = 0
         if self.observe is None:

@@ -121,8 +121,11 @@ class ForkTree:
             raise ValueError("fork at least one child")
         parent = node.live()
         made: list[AsyncSandbox | Exception] = []
-        for start in range(0, k, SDK_MAX_FORK_COUNT):
-            made += await parent.fork(timeout=lifetime, count=min(SDK_MAX_FORK_COUNT, k - start))
+        try:
+            for start in range(0, k, SDK_MAX_FORK_COUNT):
+                made += await parent.fork(timeout=lifetime, count=min(SDK_MAX_FORK_COUNT, k - start))
+        except Exception as exc:  # a later call failed: the earlier calls' children must not leak
+            made.append(exc)
         children = [m for m in made if not isinstance(m, Exception)]
         errors = [m for m in made if isinstance(m, Exception)]
         if errors:

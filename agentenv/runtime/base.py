@@ -9,7 +9,9 @@ kinds of :mod:`agentenv.errors` (never HTTP statuses) and never import the orche
 from __future__ import annotations
 
 import abc
+import asyncio
 import time
+import urllib.parse
 from pathlib import Path
 from typing import ClassVar
 
@@ -169,3 +171,21 @@ def log_tail(path: Path, limit: int = 1500) -> str:
         return path.read_bytes()[-limit:].decode(errors="replace").strip() or "(empty)"
     except OSError:
         return "(no log)"
+
+
+async def envd_healthy(url: str, limit_s: float = 2.0) -> bool:
+    """One ``GET /health`` over a plain socket. An httpx client costs ~50 ms to create (it builds
+    an SSL context), as much as the whole probe of a restored envd."""
+    parsed = urllib.parse.urlsplit(url)
+    request = f"GET /health HTTP/1.1\r\nHost: {parsed.netloc}\r\nConnection: close\r\n\r\n".encode()
+    try:
+        async with asyncio.timeout(limit_s):
+            reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port or 80)
+            try:
+                writer.write(request)
+                status = await reader.readline()
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return False
+    return status.split(b" ")[1:2] in ([b"200"], [b"204"])

@@ -164,7 +164,8 @@ def _network_of(entry: object, field: str) -> str:
     except ValueError:
         if field == "denyOut":
             raise Invalid(f"invalid denied CIDR {text}") from None
-        if re.fullmatch(r"(\*\.)?[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.?", text):
+        # A name's last label has a letter (``10.0.0.300`` is a bad address, not a domain).
+        if re.fullmatch(r"(\*\.)?([A-Za-z0-9-]+\.)*[A-Za-z0-9-]*[A-Za-z][A-Za-z0-9-]*\.?", text):
             raise Invalid(
                 f"domain names in allowOut ({text}) are not supported on this node: "
                 "use IPv4 addresses or CIDR blocks"

@@ -596,6 +596,7 @@ def pull_image_rootfs(
         if shutil.which(tool) is None:
             raise ImageError(f"{tool} is not installed (apt-get install {tool}; scripts/bootstrap.sh does)")
     reference = oci_reference(image)
+    work.mkdir(parents=True, exist_ok=True)
     layout = work / "oci"
     bundle = work / "bundle"
     cmd = ["skopeo", "copy", "--quiet", "--retry-times", "2"]

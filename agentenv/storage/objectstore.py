@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -48,6 +49,9 @@ from agentenv.storage.atomic import fsync_path, write_atomic
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = 1
+LAYER_ID = re.compile(r"l[0-9a-f]{16}\Z")
+TEMPLATE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+BUILD = re.compile(r"[0-9a-f]{16}\Z")
 #: A chunk reference: (sha256 hex of the raw bytes, length); the hash is None for a hole.
 Chunk = tuple[str | None, int]
 #: tar flags that keep what an overlay layer is made of: owners by number, every xattr (the
@@ -298,12 +302,22 @@ class Manifest:
         if d.get("format") != MANIFEST_FORMAT:
             raise Gone(f"snapshot manifest format {d.get('format')}, this agentenv reads {MANIFEST_FORMAT}")
         tpl = d.get("template")
+        layers = [str(x) for x in d["layers"]]
+        template = TemplateRef(**tpl) if tpl else None
+        # Both end up in paths on the node that fetches them.
+        bad = [x for x in layers if not LAYER_ID.match(x)]
+        if template is not None and not (
+            TEMPLATE_ID.match(template.template_id) and BUILD.match(template.build)
+        ):
+            bad.append(f"{template.template_id}-{template.build}")
+        if bad:
+            raise Gone(f"snapshot manifest {d.get('snapshot_id')} names invalid layers or templates: {bad}")
         return cls(
             snapshot_id=d["snapshot_id"],
             row=dict(d["row"]),
             files=[FileEntry.of(f) for f in d["files"]],
-            layers=[str(x) for x in d["layers"]],
-            template=TemplateRef(**tpl) if tpl else None,
+            layers=layers,
+            template=template,
             uploaded_at=float(d.get("uploaded_at", 0)),
             stored_bytes=int(d.get("stored_bytes", 0)),
         )
@@ -425,7 +439,7 @@ class SnapshotObjects:
             digest = hashlib.sha256(data).hexdigest()
             chunks.append((digest, len(data)))
             pending.append(self._pool.submit(self._store_chunk, digest, data, report))
-            if len(pending) >= self.concurrency * 2:
+            if len(pending) >= self.concurrency:  # at most this many chunks in memory
                 pending.pop(0).result()
         for fut in pending:
             fut.result()
@@ -450,7 +464,7 @@ class SnapshotObjects:
             fut = self._pool.submit(self._load_chunk, digest, length) if digest else None
             window.append((offset, length, fut))
             offset += length
-            drain(self.concurrency * 2)
+            drain(self.concurrency)
         drain(0)
         return fetched
 

@@ -38,6 +38,8 @@ from tests.support.leaks import mounts_under
 TEST_DEFAULTS: Mapping[str, str] = {
     "AGENTENV_MAX_UPLOAD_BYTES": str(64 << 20),
     "AGENTENV_WARM_POOL_HIGH": "0",
+    # Sandbox URLs over HTTPS bind a fixed port: only their own tests turn them on (on a free one).
+    "AGENTENV_TLS_PORT": "0",
 }
 READY_TIMEOUT = 90.0
 

@@ -2,7 +2,8 @@
 
 The "internet" is a test host: a TCP server in a network namespace this test creates, routed
 from the host over its own veth (10.213.127.252/30, outside the sandboxes' 10.213.128.0/17), so
-no packet leaves the machine.
+no packet leaves the machine. Sandboxes reach it at a public-range address on its loopback
+(198.18.127.254, RFC 2544's benchmarking range): private ranges are denied by default.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ pytestmark = [
 
 SANDBOX_SUBNET = "10.213.128.0/17"
 TEST_HOST_LINK = ("10.213.127.253", "10.213.127.254")  # host side, test-host side
+TEST_HOST_PUBLIC = "198.18.127.254"
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +94,22 @@ def test_host() -> Iterator[FakeInternetHost]:
         sh("ip", "-n", netns, "addr", "add", f"{peer_ip}/30", "dev", peer_if)
         sh("ip", "-n", netns, "link", "set", peer_if, "up")
         sh("ip", "-n", netns, "link", "set", "lo", "up")
+        sh("ip", "-n", netns, "addr", "add", f"{TEST_HOST_PUBLIC}/32", "dev", "lo")
+        sh("ip", "-n", netns, "route", "add", "default", "via", host_ip)
+        sh("ip", "route", "replace", f"{TEST_HOST_PUBLIC}/32", "via", peer_ip)
         port = 18000 + int(tag[:4], 16) % 2000
         proc = subprocess.Popen(
             ["ip", "netns", "exec", netns, sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        with socket.create_connection((peer_ip, port), timeout=3) as c:  # routed from the host
+        with socket.create_connection((TEST_HOST_PUBLIC, port), timeout=3) as c:  # routed from the host
             assert c.recv(4) == b"pong"
-        yield FakeInternetHost(netns, host_if, peer_ip, port, proc)
+        yield FakeInternetHost(netns, host_if, TEST_HOST_PUBLIC, port, proc)
     finally:
         if proc:
             proc.kill()
             proc.wait()
+        subprocess.run(["ip", "route", "del", f"{TEST_HOST_PUBLIC}/32"], capture_output=True)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
 

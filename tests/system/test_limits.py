@@ -107,7 +107,10 @@ def _allocated_mb(directory: Path) -> float:
     """MiB the node's disk holds for everything under ``directory`` (sparse files count what
     they allocate)."""
     total = 0
-    for root, _, files in os.walk(directory):
+    for root, dirs, files in os.walk(directory):
+        # Not into mounts (the root overlay, the disk's own mount): what they show is counted
+        # where it is stored (the template, the disk image).
+        dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(root, d))]
         for name in files:
             try:
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -208,8 +209,9 @@ def test_bad_policies_are_refused_with_400(agentenv_server: ServerProcess) -> No
         ({"mask_request_host": "evil\r\nX-Injected: 1"}, "mask request host is not valid"),
     ]
     for network, message in bad_creates:
-        with pytest.raises(SandboxException, match=f"400: {message}"):
+        with pytest.raises(SandboxException, match=re.escape(message)) as refused:
             Sandbox.create("base", timeout=60, network=network)  # type: ignore[arg-type]
+        assert str(refused.value).startswith("400: "), refused.value
     assert [s for s in Sandbox.list().next_items()] == [], "a refused create left a sandbox"
     with pytest.raises(NotFoundException):
         Sandbox.update_network("inothere000000000000", {"allow_out": ["1.1.1.1"]})

@@ -27,8 +27,8 @@ from agentenv.rl import (
     SandboxGroup,
     Trajectory,
     grpo_step,
-    rollback,
     reward_tests_pass,
+    rollback,
 )
 from agentenv.rl.group import GROUP_METADATA_KEY
 from tests.support import REPO
@@ -173,7 +173,8 @@ async def test_grpo_step_forks_acts_rewards_and_prunes(agentenv_server: ServerPr
         assert outcome.rewards == [0.0, 0.0, 0.0, 0.0, 1.0]
         assert outcome.advantages[4] > 0 > outcome.advantages[0]
         assert abs(sum(outcome.advantages)) < 1e-9
-        assert [s.reward for s in tree.trajectory if s.member != tree.root.node_id] == outcome.rewards
+        rewarded = {s.member: s.reward for s in tree.trajectory if s.member != tree.root.node_id}
+        assert rewarded == {n.node_id: r for n, r in zip(outcome.nodes, outcome.rewards, strict=True)}
         for node in outcome.nodes:
             assert not node.alive and await gone(node.node_id, agentenv_server)
         assert tree.root.alive

@@ -144,8 +144,8 @@ async def test_operations_from_the_wrong_state_conflict(
 async def test_an_illegal_edge_is_refused(orchestrator: tuple[Orchestrator, LoopbackRuntime]) -> None:
     orch, _ = orchestrator
     rec = await orch.create(request())
-    with pytest.raises(Failed, match="no transition from running to resuming"):
-        await orch._enter(rec, SandboxState.RESUMING)
+    with pytest.raises(Failed, match="no transition from running to paused"):
+        await orch._enter(rec, SandboxState.PAUSED)  # a pause passes through "pausing"
     assert (await orch.get(rec.sandbox_id)).state == SandboxState.RUNNING
     await orch.kill(rec.sandbox_id)
 

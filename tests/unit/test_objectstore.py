@@ -354,3 +354,91 @@ async def test_second_node_adopts_and_fetches_a_snapshot_it_never_had(node_facto
     c = await node_factory("c")
     assert await c.catalog.find_user_snapshot(row.snapshot_id) is None
     await asyncio.sleep(0)
+
+
+def make_template(templates_dir: Path, built_at: str) -> Path:
+    """A template directory as ``agentenv template build`` leaves it (a tiny root file system)."""
+    tdir = templates_dir / "base"
+    (tdir / "rootfs" / "etc").mkdir(parents=True)
+    (tdir / "rootfs" / "etc" / "os-release").write_text("ID=debian\n")
+    (tdir / "rootfs" / "bin").mkdir()
+    (tdir / "rootfs" / "bin" / "sh").write_bytes(os.urandom(3 * CHUNK))
+    (tdir / "template.json").write_text(f'{{"template_id": "base", "created_at": "{built_at}"}}')
+    return tdir / "rootfs"
+
+
+@ASYNC
+async def test_a_node_without_the_template_build_fetches_it_once_per_build(node_factory: Any) -> None:
+    a = await node_factory("a", upload_templates=True)
+    rootfs = make_template(a.data_dir / "templates", "2026-12-03T13:53:02")
+    sid = snap_id()
+    write_snapshot(a.data_dir, sid, os.urandom(CHUNK), [])
+    meta = a.data_dir / "snapshots" / sid / "meta.json"
+    meta.write_text(f'{{"format": 2, "layers": [], "template_rootfs": "{rootfs}"}}')
+    row = row_of(sid, name="tpl")
+    row.info["template_rootfs"] = str(rootfs)
+    await a.catalog.store.add(row)
+    await a.durable.committed(row)
+    await a.settle()
+    assert (await a.catalog.storage_info(sid) or {})["durable"]
+
+    # Other nodes are other machines: a's template directory is not there for them.
+    original = rootfs.parent.parent.rename(a.data_dir / "templates-elsewhere") / "base" / "rootfs"
+
+    # b has no template at all: the build comes from the store, and the meta points at it.
+    b = await node_factory("b")
+    adopted = await b.catalog.find_user_snapshot(sid)
+    assert adopted is not None
+    fetched_rootfs = Path(adopted.info["template_rootfs"])
+    assert fetched_rootfs.is_relative_to(b.data_dir / "store-templates")
+    async with b.catalog.use(adopted) as ref:
+        assert tree(fetched_rootfs) == tree(original)
+        assert f'"template_rootfs": "{fetched_rootfs}"' in (ref.path / "meta.json").read_text()
+
+    # c has the same build in its own templates directory: that one is used, nothing fetched.
+    c = await node_factory("c")
+    local = make_template(c.data_dir / "templates", "2026-12-03T13:53:02")
+    adopted = await c.catalog.find_user_snapshot(sid)
+    assert adopted is not None and adopted.info["template_rootfs"] == str(local)
+    async with c.catalog.use(adopted):
+        assert not (c.data_dir / "store-templates").exists()
+
+    # d has another build of "base": the snapshot's own build is fetched beside it.
+    d = await node_factory("d")
+    make_template(d.data_dir / "templates", "2027-01-01T00:00:00")
+    adopted = await d.catalog.find_user_snapshot(sid)
+    assert adopted is not None
+    assert Path(adopted.info["template_rootfs"]).is_relative_to(d.data_dir / "store-templates")
+
+
+@ASYNC
+async def test_an_unreachable_store_leaves_the_snapshot_usable_here_and_refuses_its_delete(
+    tmp_path: Path,
+) -> None:
+    from agentenv.errors import Unavailable
+    from tests.support import free_port
+
+    closed = S3Settings(
+        bucket="nowhere",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        access_key_id="x",
+        secret_access_key="y",
+    )
+    node = Node(tmp_path / "a", closed)
+    await node.open()
+    try:
+        sid = snap_id()
+        row = await node.commit(sid, os.urandom(CHUNK), {})
+        await node.settle()
+        info = await node.catalog.storage_info(sid)
+        assert info is not None and info["state"] == "failed" and not info["durable"]
+        assert "snapshot store s3://nowhere/" in str(info["error"])
+        async with node.catalog.use(row) as ref:  # the local copy needs nothing from the store
+            assert (ref.path / "memory" / "pages.img").is_file()
+        with pytest.raises(Unavailable):
+            await node.catalog.delete(sid)
+        assert await node.catalog.get(sid) is not None
+        # A typo'd snapshot id is not found, whatever the store says.
+        assert await node.catalog.find_user_snapshot(snap_id()) is None
+    finally:
+        await node.close()

@@ -205,3 +205,100 @@ def test_rl_importing_a_server_layer_is_caught(tmp_path: Path) -> None:
 
     assert outcome.returncode != 0
     assert "agentenv.rl.offender -> agentenv.orchestrator.lifecycle" in outcome.stdout
+
+
+# -- the server side of rollback: the lifecycle owner on the loopback runtime (no root) -----------
+
+
+def secured(template_id: str = "base", secure: bool = True) -> Any:
+    from agentenv.orchestrator.lifecycle import CreateRequest
+
+    return CreateRequest(
+        template_id=template_id,
+        timeout_seconds=60,
+        metadata={"k": "v"},
+        envs={"E": "1"},
+        secure=secure,
+        allow_internet_access=True,
+    )
+
+
+async def test_rollback_replaces_the_instance_and_keeps_the_sandbox(tmp_path: Path) -> None:
+    from agentenv.types import SandboxState
+    from tests.unit.test_lifecycle import loopback_node
+
+    async with loopback_node(tmp_path) as (orch, runtime):
+        rec = await orch.create(secured())
+        snap = await orch.create_snapshot(rec.sandbox_id, "task")
+        before = await orch.get(rec.sandbox_id)
+        old_address = before.instance.address if before.instance else ""
+        after = await orch.rollback(rec.sandbox_id, "task")  # by name or id, as a create
+        assert after.sandbox_id == rec.sandbox_id and after.state == SandboxState.RUNNING
+        assert after.end_at == before.end_at and after.metadata == {"k": "v"}
+        assert after.envd_access_token == before.envd_access_token
+        assert runtime.restores[-1][0] == rec.sandbox_id
+        assert runtime.restores[-1][1].snapshot_id == snap.snapshot_id
+        assert rec.sandbox_id in runtime.killed  # the running instance went first
+        route = orch.route(rec.sandbox_id)
+        assert route is not None and route.address != old_address
+        assert after.memory_base == snap.snapshot_id
+        init = runtime.seen[rec.sandbox_id].inits[-1]
+        assert init["accessToken"] == before.envd_access_token and init["envVars"] == {"E": "1"}
+        # Another secured sandbox rolls back to that snapshot and keeps its own token.
+        other = await orch.create(secured())
+        rolled = await orch.rollback(other.sandbox_id, snap.snapshot_id)
+        assert rolled.envd_access_token == other.envd_access_token != before.envd_access_token
+        assert runtime.seen[other.sandbox_id].inits[-1]["accessToken"] == other.envd_access_token
+        messages = [ln.message for ln in await orch.store.logs(rec.sandbox_id, start=None, limit=50)]
+        assert any(m.startswith(f"sandbox rolled back to snapshot {snap.snapshot_id}") for m in messages)
+        for sid in (rec.sandbox_id, other.sandbox_id):
+            await orch.kill(sid)
+
+
+async def test_rollback_refusals_touch_nothing(tmp_path: Path) -> None:
+    from agentenv.errors import Conflict, Invalid, NotFound
+    from tests.unit.test_lifecycle import loopback_node
+
+    async with loopback_node(tmp_path) as (orch, runtime):
+        rec = await orch.create(secured())
+        snap = await orch.create_snapshot(rec.sandbox_id, None)
+        plain = await orch.create(secured(secure=False))
+        with pytest.raises(NotFound, match="snapshot 'snapnope' not found"):
+            await orch.rollback(rec.sandbox_id, "snapnope")
+        with pytest.raises(NotFound):
+            await orch.rollback("nosuchsandbox", snap.snapshot_id)
+        with pytest.raises(Invalid, match="not secured"):
+            await orch.rollback(plain.sandbox_id, snap.snapshot_id)
+        await orch.pause(rec.sandbox_id)
+        with pytest.raises(Conflict, match="paused, not running"):
+            await orch.rollback(rec.sandbox_id, snap.snapshot_id)
+        assert runtime.restores == [] or all(sid != plain.sandbox_id for sid, _ in runtime.restores)
+        assert plain.sandbox_id not in runtime.killed
+        assert orch.route(plain.sandbox_id) is not None
+        for sid in (rec.sandbox_id, plain.sandbox_id):
+            await orch.kill(sid)
+
+
+async def test_a_failed_rollback_is_undone_by_destroying_the_sandbox(tmp_path: Path) -> None:
+    from agentenv.errors import Failed, NotFound
+    from agentenv.types import SandboxState
+    from tests.unit.test_lifecycle import loopback_node
+
+    async with loopback_node(tmp_path) as (orch, runtime):
+        rec = await orch.create(secured())
+        snap = await orch.create_snapshot(rec.sandbox_id, None)
+
+        async def broken_restore(*_: Any) -> Any:
+            raise Failed("injected restore failure")
+
+        runtime.restore = broken_restore  # type: ignore[method-assign]
+        with pytest.raises(Failed, match=r"rollback of sandbox .* failed: injected restore failure"):
+            await orch.rollback(rec.sandbox_id, snap.snapshot_id)
+        with pytest.raises(NotFound):
+            await orch.get(rec.sandbox_id)
+        stored = await orch.store.get(rec.sandbox_id)
+        assert stored is not None and stored.state == SandboxState.KILLED
+        assert orch.route(rec.sandbox_id) is None and rec.sandbox_id not in runtime.servers
+        messages = [ln.message for ln in await orch.store.logs(rec.sandbox_id, start=None, limit=50)]
+        assert any("rollback to" in m and "failed" in m for m in messages), messages
+        assert await orch.catalog.get(snap.snapshot_id) is not None  # the snapshot is not harmed

@@ -57,4 +57,6 @@ def death_reason(sandbox_id: str, pid: int, oom_kills_before: int, output_tail: 
     if "panic" in output_tail:
         with contextlib.suppress(ValueError):
             reason += "; runsc: " + output_tail[output_tail.index("panic") :][:300]
+    elif output_tail.strip():
+        reason += "; last output: " + output_tail.strip().splitlines()[-1][:300]
     return reason

@@ -10,11 +10,10 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
 import psutil
 
 from agentenv.errors import Failed
-from agentenv.runtime.base import log_tail
+from agentenv.runtime.base import envd_healthy, log_tail
 
 #: Whether the VM process is still there (checked while waiting for envd).
 Alive = Callable[[], Awaitable[bool]]
@@ -44,24 +43,6 @@ async def kill_pid(pid: int | None, name_part: str, owner: str | None = None, li
     deadline = time.monotonic() + limit_s
     while pid_alive(pid, name_part, owner) and time.monotonic() < deadline:  # noqa: ASYNC110  # polling another process
         await asyncio.sleep(0.02)
-
-
-async def envd_healthy(url: str, limit_s: float = 2.0) -> bool:
-    """One ``GET /health`` over a plain socket. An httpx client costs ~50 ms to create (it builds
-    an SSL context), as much as the whole probe of a restored envd."""
-    parsed = httpx.URL(url)
-    request = f"GET /health HTTP/1.1\r\nHost: {parsed.host}\r\nConnection: close\r\n\r\n".encode()
-    try:
-        async with asyncio.timeout(limit_s):
-            reader, writer = await asyncio.open_connection(parsed.host, parsed.port or 80)
-            try:
-                writer.write(request)
-                status = await reader.readline()
-            finally:
-                writer.close()
-    except (OSError, TimeoutError):
-        return False
-    return status.split(b" ")[1:2] in ([b"200"], [b"204"])
 
 
 async def wait_for_envd(url: str, limit_s: float, alive: Alive, console: Path, interval: float = 0.1) -> None:
