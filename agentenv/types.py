@@ -78,6 +78,9 @@ class SandboxSpec:
     egress: EgressPolicy | None = None
     #: Token envd requires in ``X-Access-Token`` (None: no token, the E2B default for non-secure sandboxes).
     envd_access_token: str | None = None
+    #: Made ahead of demand (a warm-pool sandbox, a standby): it runs at a low CPU weight until
+    #: ``Runtime.claimed``, so making one never takes CPU from sandboxes in use.
+    ahead_of_demand: bool = False
 
 
 @dataclass

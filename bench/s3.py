@@ -76,11 +76,11 @@ def upload_chunks(log: str) -> dict[str, int]:
     }
 
 
-def run(runs: int) -> dict[str, object]:
+def run(runs: int, chunk_mib: int = 8) -> dict[str, object]:
     with s3_server() as s3:
         bucket = s3.new_bucket()
         # Templates are shared by path here (one machine): only snapshots travel through S3.
-        env = {**COMMON, **s3.agentenv_env(bucket, upload_templates="false")}
+        env = {**COMMON, **s3.agentenv_env(bucket, upload_templates="false", chunk_mib=str(chunk_mib))}
         with (
             serve(prefix="ae-bs3a-", extra_env={**env, "AGENTENV_SANDBOX_SUBNET": "10.216.0.0/20"}) as a,
             serve(
@@ -125,14 +125,17 @@ def run(runs: int) -> dict[str, object]:
         "upload_chunks": dedupe,
         "objects_in_bucket": objects,
         "runs": runs,
+        "chunk_mib": chunk_mib,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.s3")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--chunk-mib", type=int, default=8, help="AGENTENV_S3__CHUNK_MIB of both servers")
+    parser.add_argument("--result", default="s3", help="name of the result file under bench/results/")
     args = parser.parse_args()
-    print(write_result("s3", run(args.runs)))
+    print(write_result(args.result, run(args.runs, args.chunk_mib)))
 
 
 if __name__ == "__main__":

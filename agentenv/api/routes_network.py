@@ -22,7 +22,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from agentenv.api.auth import require_api_key
-from agentenv.api.schemas import SandboxNetworkConfig, SandboxNetworkUpdateConfig, NetworkEgress
+from agentenv.api.schemas import NetworkEgress, SandboxNetworkConfig, SandboxNetworkUpdateConfig
 from agentenv.errors import Invalid
 from agentenv.orchestrator.ids import normalise_sandbox_id
 from agentenv.orchestrator.lifecycle import Orchestrator

@@ -377,6 +377,7 @@ async def delete_template(request: Request, template_id: str) -> Response:
     ):
         raise Forbidden(f"template '{name}' is built from this node's recipe (agentenv template build)")
     await orch.template_snapshots.forget(name)
+    the_builder.forget(name)
     if storage.template_dir(name, settings).exists():
         storage.delete_template(name, settings)
     return Response(status_code=204)

@@ -78,7 +78,7 @@ def sandbox_url_help(settings: Settings, files: tls.TlsFiles) -> str:
     domain = tls.public_domain(settings)
     return "\n".join(
         [
-            f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host(port)); trust the CA with:",
+            f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host); trust the CA with:",
             f"export SSL_CERT_FILE={files.bundle}",
             f"export NODE_EXTRA_CA_CERTS={files.ca}",
         ]
@@ -132,7 +132,9 @@ async def _serve(
         await main.serve()
         return
     secure = _Secondary(
-        _config(app, settings, lifespan="off", ssl_certfile=str(tls_files.cert), ssl_keyfile=str(tls_files.key))
+        _config(
+            app, settings, lifespan="off", ssl_certfile=str(tls_files.cert), ssl_keyfile=str(tls_files.key)
+        )
     )
     resolver = None
     if settings.dns_listen:
@@ -143,7 +145,8 @@ async def _serve(
         print(f"DNS for *.{settings.sandbox_domain} on {bound[0]}:{bound[1]}", flush=True)
 
     async def stop_with_main() -> None:
-        while not main.should_exit:
+        # uvicorn's flags are plain attributes, set from its signal handler: polled.
+        while not main.should_exit:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
         secure.should_exit = True
 
@@ -151,7 +154,7 @@ async def _serve(
     serving = asyncio.ensure_future(main.serve())
     try:
         # HTTPS opens once the main server's lifespan has started the orchestrator.
-        while not main.started and not serving.done():
+        while not main.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if main.started:
             await asyncio.gather(serving, secure.serve(sockets=[tls_socket]))

@@ -192,10 +192,7 @@ def _sdk_sandbox(sandbox_id: str) -> Any:
     return Sandbox.connect(sandbox_id)
 
 
-@app.command(
-    "exec",
-    context_settings={"allow_interspersed_args": False},
-)
+@app.command("exec")
 def exec_(
     sandbox_id: Annotated[str, typer.Argument(help="The sandbox.")],
     command: Annotated[list[str], typer.Argument(help="The command (after --); one argument runs in bash.")],

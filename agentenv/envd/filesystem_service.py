@@ -2,7 +2,7 @@
 
 Every operation runs with the rights of the requesting user (fsaccess.py): what they may not
 see or change is PERMISSION_DENIED, what they create is theirs. E2B's envd acts as root and only
-chowns what it creates (docs/ENVD_PERMISSIONS.md).
+chowns what it creates (docs/HARDENING.md).
 """
 
 from __future__ import annotations

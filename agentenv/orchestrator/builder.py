@@ -200,6 +200,12 @@ class TemplateBuilder:
     def builds_of(self, template_id: str) -> list[Build]:
         return [b for b in self._builds.values() if b.template_id == template_id]
 
+    def forget(self, template_id: str) -> None:
+        """Drop the finished builds of a deleted template."""
+        for build in self.builds_of(template_id):
+            if build.status in ("ready", "error") or not build.started:
+                del self._builds[build.build_id]
+
     def building(self, template_id: str) -> bool:
         return any(b.status in ("waiting", "building") and b.started for b in self.builds_of(template_id))
 

@@ -45,8 +45,8 @@ from agentenv.errors import (
 )
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
-from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.orchestrator.envd_client import EnvdClient
 from agentenv.orchestrator.ids import new_access_token, new_sandbox_id
 from agentenv.orchestrator.logs import SandboxLogs
@@ -525,7 +525,11 @@ class Orchestrator:
             image=info.image,
             origin="boot",
         )
-        return await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
+        rec = await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
+        if info.start is not None and rec.instance is not None:
+            # A boot, not the template's snapshot: start the start command it would have running.
+            await self.template_snapshots.start_command(info, rec.instance)
+        return rec
 
     async def _from_template_snapshot(
         self, snap: TemplateSnapshot, req: CreateRequest
@@ -617,6 +621,7 @@ class Orchestrator:
             # use(): what this node lacks of the snapshot is fetched from the snapshot store first.
             async with self.catalog.use(source.row) as ref:
                 return await runtime.restore(spec, ref)
+        await runtime.claimed(source.instance)
         if spec.egress is not None:  # pooled with the defaults: its policy before anyone uses it
             await runtime.update_network(
                 source.instance, allow_internet_access=spec.allow_internet_access, egress=spec.egress

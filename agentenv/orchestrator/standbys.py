@@ -72,7 +72,7 @@ class Standbys:
     async def _make(self, snapshot_id: str) -> SandboxInstance:
         row = self._rows[snapshot_id]
         image = SnapshotMeta.of(row).image(row.template_id)
-        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
+        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image, ahead_of_demand=True)
         async with self._catalog.use(row) as ref:  # fetched first if its copy was evicted
             return await self._runtimes.named(row.runtime).restore(spec, ref)
 

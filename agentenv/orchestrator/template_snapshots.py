@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from agentenv.config import Settings
-from agentenv.errors import Failed, Gone, Unavailable
+from agentenv.errors import AgentenvError, Failed, Gone, Unavailable
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
@@ -132,6 +132,16 @@ class TemplateSnapshots:
                 log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
         return await runtime.create(spec)
 
+    async def start_command(self, info: templates.TemplateInfo, instance: SandboxInstance) -> None:
+        """Start a built template's start command in a booted sandbox of it and wait for its
+        ready command; a failure is logged (the sandbox stays up, as E2B's would)."""
+        if info.start is None:
+            return
+        try:
+            await start_and_wait_ready(self._envd, instance, info.image.rootfs, info.start)
+        except AgentenvError as exc:
+            log.warning("start command of %s in %s: %s", info.image.template_id, instance.sandbox_id, exc)
+
     async def forget(self, template_id: str) -> None:
         """Drop every snapshot of a deleted template, and its warm pool."""
         for row in await self._catalog.rows("template"):
@@ -178,7 +188,7 @@ class TemplateSnapshots:
         """One warm-pool sandbox: a restore of the template's snapshot, with no env vars or token
         (a claim's ``/init`` sets them)."""
         snap = self._known[key]
-        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image)
+        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image, ahead_of_demand=True)
         async with self._catalog.use(snap.row) as ref:  # fetched first if its copy was evicted
             return await snap.runtime.restore(spec, ref)
 
@@ -186,11 +196,13 @@ class TemplateSnapshots:
         await self._runtimes.named(instance.runtime).kill(instance)
 
     async def warm_up(self) -> None:
-        """At start-up: snapshot and pool the templates named in ``warm_pool_templates``. With
-        pooling off, template snapshots are made on first use instead."""
+        """At start-up: snapshot and pool the templates named in ``warm_pool_templates`` and those
+        built through the build API. With pooling off, template snapshots are made on first use
+        instead."""
         if not self._settings.template_snapshots or not self.pool.enabled:
             return
-        for template_id in self._settings.warm_pool_templates:
+        built = [t.image.template_id for t in templates.list_all(self._settings) if t.pooled]
+        for template_id in dict.fromkeys([*self._settings.warm_pool_templates, *built]):
             try:
                 info = templates.load(template_id, self._settings)
             except templates.TemplateNotFound:

@@ -51,6 +51,11 @@ class Runtime(abc.ABC):
         """Stop the sandbox and remove every process, mount, network namespace, cgroup and
         scratch file it owns. Idempotent: killing a dead or half-created sandbox succeeds."""
 
+    async def claimed(self, instance: SandboxInstance) -> None:
+        """A sandbox made ahead of demand (``SandboxSpec.ahead_of_demand``) is now in use: give it
+        a live sandbox's share of the CPU. The default does nothing."""
+        return None
+
     async def halt(self, instance: SandboxInstance) -> None:
         """Stop every process of the sandbox now; ``kill`` frees the rest later. After it nothing
         of the sandbox runs or answers; a kill request waits only for this. The default does

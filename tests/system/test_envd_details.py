@@ -16,6 +16,7 @@ from e2b import AsyncSandbox, Sandbox, TimeoutException
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 from e2b.sandbox.signature import get_signature
 
+from tests.support.leaks import wait_no_host_resources
 from tests.support.server import ServerProcess
 
 BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
@@ -148,15 +149,18 @@ def test_boot_id_is_kept_by_pause_and_snapshots(sbx: Sandbox) -> None:
     # template's memory snapshot), they share the template boot's id; only a boot makes a new one.
 
 
-def test_filesystem_only_pause(sbx: Sandbox) -> None:
+def test_filesystem_only_pause(sbx: Sandbox, agentenv_server: ServerProcess) -> None:
     """``pause(keep_memory=False)``: processes end, files (and their metadata) stay, the resume
-    boots afresh with a new boot id."""
+    boots afresh with a new boot id; a kill while so paused removes the kept disk."""
     boot = _boot_id(sbx)
     sbx.files.write("/home/user/kept.txt", "kept", metadata={"k": "v"})
     sbx.commands.run("echo in-memory > /tmp/tmpfs.txt")  # /tmp is a tmpfs: memory
     sleeper = sbx.commands.run("sleep 600", background=True)
     assert sbx.pause(keep_memory=False)
     assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+    assert wait_no_host_resources(sbx.sandbox_id) == []  # no process, mount or netns: only files
+    scratch = agentenv_server.data_dir / "sandboxes" / sbx.sandbox_id
+    assert (scratch / "layers.json").exists()
     resumed = Sandbox.connect(sbx.sandbox_id)
     assert resumed.files.read("/home/user/kept.txt") == "kept"
     assert resumed.files.get_info("/home/user/kept.txt").metadata == {"k": "v"}
@@ -164,6 +168,9 @@ def test_filesystem_only_pause(sbx: Sandbox) -> None:
     assert sleeper.pid not in [p.pid for p in resumed.commands.list()]
     assert _boot_id(resumed) != boot
     assert resumed.commands.run("echo alive").stdout == "alive\n"
+    assert resumed.pause(mode="filesystem")
+    Sandbox.kill(sbx.sandbox_id)
+    assert not scratch.exists()
 
 
 def test_auto_pause_without_memory(agentenv_server: ServerProcess) -> None:

@@ -250,9 +250,9 @@ def test_private_traffic_needs_the_token_and_the_sandbox_sees_the_masked_host(
         assert sbx.traffic_access_token
         sbx.files.write("/home/user/echo_host.py", ECHO_HOST)
         sbx.commands.run("python3 /home/user/echo_host.py 8080", background=True)
+        wait = "import socket; socket.create_connection(('127.0.0.1', 8080))"
         sbx.commands.run(
-            "for i in $(seq 50); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8080))'"
-            " 2>/dev/null && exit 0; sleep 0.1; done; exit 1"
+            f'for i in $(seq 50); do python3 -c "{wait}" 2>/dev/null && exit 0; sleep 0.1; done; exit 1'
         )
         route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
         denied = httpx.get(agentenv_server.url + "/", headers=route, timeout=10)

@@ -141,3 +141,45 @@ def test_snapshot_restores_from_s3_on_its_node_and_on_another(s3: S3Server, tmp_
         finally:
             restarted.kill_all_sandboxes()
             restarted.stop()
+
+
+def wait_evicted(server: ServerProcess, snapshot_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while storage_of(server, snapshot_id)["cached"]:
+        assert time.monotonic() < deadline, f"the copy of {snapshot_id} was never evicted"
+        time.sleep(0.2)
+
+
+def test_eviction_under_a_small_cap_never_breaks_a_paused_sandbox(s3: S3Server) -> None:
+    """With a 1 MiB cache every durable copy is evicted as soon as it is not in use, and the
+    layer collection runs after each eviction: a sandbox paused to disk on top of an evicted
+    snapshot's layers still resumes with its files and process."""
+    env = {
+        **s3.agentenv_env(s3.new_bucket(), gc_grace_seconds="0", upload_templates="false", cache_max_mib="1"),
+        "AGENTENV_SANDBOX_SUBNET": SUBNET_A,
+        "AGENTENV_PAUSE_FREEZE": "false",  # pause to disk: the pause snapshot stands on the layers
+        "AGENTENV_SNAPSHOT_STANDBYS": "0",
+    }
+    with serve(prefix="ae-s3c-", extra_env=env) as server:
+        parent = Sandbox.create(timeout=300, **server.sdk_opts)
+        parent.files.write("/home/user/base.txt", "in the snapshot's layer")
+        first = parent.create_snapshot()
+        wait_durable(server, first.snapshot_id)
+        wait_evicted(server, first.snapshot_id)
+
+        child = Sandbox.create(first.snapshot_id, timeout=300, **server.sdk_opts)  # fetched back
+        before = start_state(child, "paused on evicted layers")
+        child.pause()
+        wait_evicted(server, first.snapshot_id)
+        # More uploads, evictions and layer collections while the child is paused.
+        second = parent.create_snapshot()
+        wait_durable(server, second.snapshot_id)
+        wait_evicted(server, second.snapshot_id)
+        parent.kill()  # a kill runs the layer collection too
+        time.sleep(1)
+
+        resumed = Sandbox.connect(child.sandbox_id, timeout=300, **server.sdk_opts)
+        assert_state_continues(resumed, before, "paused on evicted layers")
+        assert resumed.files.read("/home/user/base.txt") == "in the snapshot's layer"
+        assert "nothing more can be evicted" in server.log_path.read_text()  # the cap was hit
+        resumed.kill()

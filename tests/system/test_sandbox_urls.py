@@ -101,14 +101,16 @@ def fetch(url: str, dns_port: int, ca: Path) -> httpx.Response:
     assert parts.hostname is not None and parts.port is not None
     address = resolve(parts.hostname, dns_port)
     target = parts._replace(netloc=f"{address}:{parts.port}").geturl()
-    ctx = ssl.create_default_context(cafile=str(ca))
-    return httpx.get(
-        target,
-        headers={"Host": parts.netloc},
-        extensions={"sni_hostname": parts.hostname},
-        verify=ctx,
-        timeout=15,
-    )
+    return get_as(target, parts.netloc, ssl.create_default_context(cafile=str(ca)))
+
+
+def get_as(url: str, host: str, verify: ssl.SSLContext | bool = True) -> httpx.Response:
+    """GET ``url`` with ``host`` (``name:port``) as Host and its name as TLS SNI."""
+    with httpx.Client(verify=verify, timeout=15) as client:
+        request = client.build_request(
+            "GET", url, headers={"Host": host}, extensions={"sni_hostname": host.rsplit(":", 1)[0]}
+        )
+        return client.send(request)
 
 
 def test_get_host_is_served_over_tls_with_the_nodes_ca(url_server: tuple[ServerProcess, int, int]) -> None:
@@ -133,12 +135,7 @@ def test_get_host_is_served_over_tls_with_the_nodes_ca(url_server: tuple[ServerP
         assert resp.status_code == 200 and resp.text == "hello over tls"
         # Without the node's CA the certificate is not trusted: this is real TLS.
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-            httpx.get(
-                f"https://127.0.0.1:{tls_port}/hello.txt",
-                headers={"Host": host},
-                extensions={"sni_hostname": host.split(":")[0]},
-                timeout=10,
-            )
+            get_as(f"https://127.0.0.1:{tls_port}/hello.txt", host)
         # A name that is no sandbox gets E2B's answer, in E2B's shape.
         gone = fetch(f"https://8080-inothere00000000000.{DOMAIN}:{tls_port}/", dns_port, bundle)
         assert gone.status_code == 502 and "was not found" in gone.json()["message"]

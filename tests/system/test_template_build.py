@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,22 +40,26 @@ FAST_CREATE_SECONDS = 5.0
 
 
 @pytest.fixture(scope="module")
-def build_server() -> Iterator[ServerProcess]:
+def templates_dir() -> Iterator[Path]:
+    """The build server's templates: ``base`` from the shared cache, and what the tests build."""
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
     templates = Path(tempfile.mkdtemp(prefix="agentenv-tpl-", dir="/tmp"))
     (templates / "base").symlink_to(SHARED_TEMPLATES / "base")
-    try:
-        with (
-            serve(prefix="agentenv-build-", extra_env={"AGENTENV_TEMPLATES_PATH": str(templates)}) as server,
-            pytest.MonkeyPatch.context() as env,
-        ):
-            for key, value in server.sdk_env.items():
-                env.setenv(key, value)
-            yield server
-    finally:
-        shutil.rmtree(templates, ignore_errors=True)
+    yield templates
+    shutil.rmtree(templates, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def build_server(templates_dir: Path) -> Iterator[ServerProcess]:
+    with (
+        serve(prefix="agentenv-build-", extra_env={"AGENTENV_TEMPLATES_PATH": str(templates_dir)}) as server,
+        pytest.MonkeyPatch.context() as env,
+    ):
+        for key, value in server.sdk_env.items():
+            env.setenv(key, value)
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +105,7 @@ def built(build_server: ServerProcess, context_dir: Path) -> Iterator[Built]:
     started = time.monotonic()
     info = Template.build(template, f"{name}:v1", tags=["extra"], on_build_logs=logs.append)
     yield Built(info, time.monotonic() - started, logs)
+    # Deleted by test_tags_exists_status_and_delete; again here in case it failed before.
     httpx.delete(f"{build_server.url}/templates/{name}", headers=build_server.headers, timeout=60)
 
 
@@ -167,15 +173,14 @@ def test_tags_exists_status_and_delete(build_server: ServerProcess, context_dir:
     assert tags == dict.fromkeys(["v1", "extra", "prod"], built.info.build_id)
     status = Template.get_build_status(built.info, logs_offset=0)
     assert status.status == TemplateBuildStatus.READY and status.log_entries
-    # A second build of a throw-away template: delete removes it (and its snapshot).
-    other = unique_id("tbdel-")
-    Template.build(Template().from_template("base").run_cmd("true"), other)
-    assert Template.exists(other) is True
-    resp = httpx.delete(f"{build_server.url}/templates/{other}", headers=build_server.headers, timeout=60)
+    # Delete (the last use of the build): the template, its snapshot, its tags are gone.
+    resp = httpx.delete(f"{build_server.url}/templates/{name}", headers=build_server.headers, timeout=60)
     assert resp.status_code == 204
-    assert Template.exists(other) is False
+    assert Template.exists(name) is False
     with pytest.raises(Exception, match="not found"):
-        Sandbox.create(other)
+        Sandbox.create(name)
+    with pytest.raises(Exception, match="not found"):
+        Template.get_tags(name)
     # The node's recipe template is not the build API's to delete.
     resp = httpx.delete(f"{build_server.url}/templates/base", headers=build_server.headers, timeout=60)
     assert resp.status_code == 403 and resp.json()["code"] == 403
@@ -343,3 +348,41 @@ def test_js_sdk_template_build(build_server: ServerProcess, context_dir: Path) -
         assert out["failed"] and "exit status 7" in out["failed"]
     finally:
         httpx.delete(f"{build_server.url}/templates/{name}", headers=build_server.headers, timeout=60)
+
+
+def test_cli_builds_with_the_same_builder(
+    build_server: ServerProcess, templates_dir: Path, context_dir: Path
+) -> None:
+    """``agentenv template build`` on the server's data dir; the server then creates from it
+    (by a boot: the CLI makes no snapshot) with the start command running."""
+    name = unique_id("tbcli-")
+    env = {
+        **os.environ,
+        "AGENTENV_DATA_DIR": str(build_server.data_dir),
+        "AGENTENV_TEMPLATES_PATH": str(templates_dir),
+    }
+    cmd = [
+        sys.executable, "-m", "agentenv.cli.main", "template", "build", name,
+        "--from-template", "base", "--context", str(context_dir),
+        "--copy", "hello.txt:/home/user/", "--run", "echo cli-step > /home/user/cli.txt",
+        "--start-cmd", "echo up > /home/user/up.txt && sleep infinity",
+        "--ready-cmd", "test -f /home/user/up.txt",
+    ]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=TESTS.parent)
+    print(f"\nCLI build: {time.monotonic() - started:.1f} s")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "[1] [builder 1/2] COPY hello.txt /home/user/" in proc.stdout and "ready" in proc.stdout
+    try:
+        sbx = Sandbox.create(name)
+        try:
+            assert sbx.files.read("/home/user/cli.txt") == "cli-step\n"
+            assert sbx.files.read("/home/user/hello.txt") == "hello from the build context\n"
+            assert sbx.files.read("/home/user/up.txt") == "up\n"
+        finally:
+            sbx.kill()
+    finally:
+        httpx.delete(f"{build_server.url}/templates/{name}", headers=build_server.headers, timeout=60)
+    no_base = [*cmd[:5], unique_id("tbcli-"), "--run", "true"]
+    bad = subprocess.run(no_base, capture_output=True, text=True, timeout=60, env=env, cwd=TESTS.parent)
+    assert bad.returncode == 1 and "exactly one of fromTemplate and fromImage" in bad.stderr

@@ -11,6 +11,20 @@ CGROUP_PARENT = "agentenv"
 CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
 
 
+#: cpu.shares of a sandbox in use (the kernel's default weight) and of one made ahead of demand
+#: (a warm-pool sandbox or standby, from its restore until claimed). On a 2-core node a pool
+#: refill's restore, started by a claim, otherwise took half the CPU from the claimed sandbox's
+#: first commands; at weight 16 it yields to live sandboxes and still uses idle cores fully.
+LIVE_CPU_SHARES = 1024
+AHEAD_OF_DEMAND_CPU_SHARES = 16
+
+
+def set_cpu_shares(sandbox_id: str, shares: int) -> None:
+    """Set the sandbox's CPU weight (cgroup v1 ``cpu.shares``); no-op once its cgroup is gone."""
+    with contextlib.suppress(FileNotFoundError):
+        (_group("cpu", sandbox_id) / "cpu.shares").write_text(str(shares))
+
+
 def cgroups_path(sandbox_id: str) -> str:
     """The OCI ``linux.cgroupsPath`` of the sandbox."""
     return f"/{CGROUP_PARENT}/{sandbox_id}"

@@ -151,6 +151,9 @@ class GvisorRuntime(Runtime):
         net = SandboxNetwork.from_state(net_state) if net_state else None
         await self._destroy(self.paths(instance.sandbox_id), net)
 
+    async def claimed(self, instance: SandboxInstance) -> None:
+        await asyncio.to_thread(cgroups.set_cpu_shares, instance.sandbox_id, cgroups.LIVE_CPU_SHARES)
+
     async def halt(self, instance: SandboxInstance) -> None:
         await freezer.thaw(instance.sandbox_id)
         await self.runsc.stop(self.paths(instance.sandbox_id))
@@ -298,7 +301,13 @@ class GvisorRuntime(Runtime):
                 "resources": {
                     # cpu.cfs_quota_us: the template's vCPUs (the sentry reports that many CPUs,
                     # --cpu-num-from-quota); memory: the sentry reports this much as MemTotal.
-                    "cpu": {"quota": tpl.vcpus * 100_000, "period": 100_000},
+                    "cpu": {
+                        "quota": tpl.vcpus * 100_000,
+                        "period": 100_000,
+                        "shares": cgroups.AHEAD_OF_DEMAND_CPU_SHARES
+                        if spec.ahead_of_demand
+                        else cgroups.LIVE_CPU_SHARES,
+                    },
                     "memory": {"limit": tpl.memory_mb << 20},
                     "pids": {"limit": HOST_PIDS_LIMIT},
                 },

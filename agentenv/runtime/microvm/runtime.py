@@ -306,7 +306,10 @@ class MicroVmRuntime(Runtime, Generic[P]):
 
     async def _plug_network(self, spec: SandboxSpec, paths: P, state: dict[str, Any]) -> SandboxNetwork:
         net = await network.setup_network(
-            self.settings, spec.sandbox_id, allow_internet_access=spec.allow_internet_access, egress=spec.egress
+            self.settings,
+            spec.sandbox_id,
+            allow_internet_access=spec.allow_internet_access,
+            egress=spec.egress,
         )
         state["network"] = net.to_state()
         write_marker(paths, state)
