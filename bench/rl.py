@@ -129,6 +129,9 @@ def run(runs: int = 0) -> dict[str, Any]:
     return {
         "rollouts": n,
         **result,
+        # Top-level scalars are what the summary table prints.
+        "fork_total_wall_s": fork["total_wall_s"],
+        "fresh_total_wall_s": fresh["total_wall_s"],
         "fork_vs_fresh_total_wall": round(fresh["total_wall_s"] / fork["total_wall_s"], 2),
         "fork_vs_fresh_p50_per_rollout": round(
             fresh["per_rollout"]["p50_ms"] / fork["per_rollout"]["p50_ms"], 2

@@ -19,6 +19,8 @@ from agentenv.api.errors import error_response
 
 #: E2B's ``maxUploadLimit`` (packages/api/main.go).
 MAX_REQUEST_BYTES = 16 << 20
+#: How much of a refused body is read before answering (beyond it, the connection is closed).
+_DRAIN_BYTES = 64 << 20
 #: Template build context uploads stream to disk with a limit of their own: E2B sends them to a
 #: presigned object-storage URL, outside its API and its limit.
 _STREAMED_PATHS = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$")
@@ -54,16 +56,24 @@ class BodyLimit:
             body = message.get("body", b"")
             total += len(body)
             if total > self.limit:
-                await self._refuse(scope, receive, send)
+                await self._refuse(scope, receive, send, more=message.get("more_body", False))
                 return
             chunks.append(body)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"request body exceeds the limit of {self.limit} bytes"
-        await error_response(413, message, {"Connection": "close"})(scope, receive, send)
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, more: bool = True) -> None:
+        # Read (and drop) the rest first, up to a bound: most HTTP/1.1 clients only look at the
+        # answer once their body is sent, and see a reset connection otherwise.
+        drained = 0
+        while more and drained < _DRAIN_BYTES:
+            part = await receive()
+            if part["type"] == "http.disconnect" or not part.get("more_body", False):
+                break
+            drained += len(part.get("body", b""))
+        text = f"request body exceeds the limit of {self.limit} bytes"
+        await error_response(413, text, {"Connection": "close"})(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -361,6 +361,11 @@ async def connect_v2(request: Request, sandbox_id: str, body: ConnectSandbox, or
     return await _connect(request, sandbox_id, body, orch)
 
 
+#: The last millisecond a datetime holds (9999-12-31T23:59:59.999Z): later log cursors are a 400,
+#: not an OverflowError.
+MAX_UNIX_MS = 253_402_300_799_999
+
+
 @router.get("/sandboxes/{sandbox_id}/metrics")
 async def sandbox_metrics(
     sandbox_id: str,
@@ -388,7 +393,7 @@ _LEVELS = ("debug", "info", "warn", "error")
 async def sandbox_logs_v1(
     sandbox_id: str,
     orch: Orch,
-    start: Annotated[int | None, Query(ge=0)] = None,
+    start: Annotated[int | None, Query(ge=0, le=MAX_UNIX_MS)] = None,
     limit: Annotated[int, Query(ge=0)] = 1000,
 ) -> JSONResponse:
     since = dt.datetime.fromtimestamp(start / 1000, dt.UTC) if start is not None else None
@@ -415,7 +420,7 @@ def _entry(ln: LogLine) -> dict[str, object]:
 async def sandbox_logs_v2(
     sandbox_id: str,
     orch: Orch,
-    cursor: Annotated[int | None, Query(ge=0)] = None,
+    cursor: Annotated[int | None, Query(ge=0, le=MAX_UNIX_MS)] = None,
     limit: Annotated[int, Query(ge=0, le=1000)] = 1000,
     direction: str = "forward",
     level: str | None = None,

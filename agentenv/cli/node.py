@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import typer
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -18,6 +17,8 @@ app = typer.Typer(help="The node behind the API: capacity, sandboxes, runtime (o
 
 def from_metrics(text: str) -> dict[str, Any]:
     """The sandbox counts of ``agentenv_sandboxes{state,tier}`` in ``/node``'s shape."""
+    from prometheus_client.parser import text_string_to_metric_families  # only for old servers
+
     by_state: dict[str, int] = {}
     by_tier: dict[str, int] = {}
     for family in text_string_to_metric_families(text):

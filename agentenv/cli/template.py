@@ -139,8 +139,8 @@ async def _build_custom(
     try:
         build = builder.request(name, [], cpu_count, memory_mb)
         build.listener = _print
-        builder.check_spec(spec)
         staged = await _stage_copies(builder, spec, context)
+        builder.check_spec(staged)
         await builder.run(build, staged)
     except AgentenvError as exc:
         typer.echo(f"error: {exc.message}", err=True)

@@ -143,20 +143,20 @@ class _OpenedFileResponse(FileResponse):
 
 
 def _open_readable(path: str) -> tuple[BinaryIO, os.stat_result]:
-    """The file to download, opened (as the request's user: see ``download``)."""
+    """The file to download, opened (as the request's user: see ``download``). Non-blocking, as
+    this runs on the event loop: opening a FIFO for reading would wait for a writer."""
     try:
-        file = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NotFound(f"path '{path}' does not exist") from None
-    except IsADirectoryError:
-        raise Invalid(f"path '{path}' is a directory") from None
     except OSError as exc:
         raise os_failure(exc, "error opening file") from None
-    st = os.fstat(file.fileno())
+    st = os.fstat(fd)
     if stat.S_ISDIR(st.st_mode):
-        file.close()
+        os.close(fd)
         raise Invalid(f"path '{path}' is a directory")
-    return file, st
+    os.set_blocking(fd, True)  # reads happen in worker threads
+    return os.fdopen(fd, "rb"), st
 
 
 async def download(request: Request) -> Response:

@@ -148,6 +148,15 @@ def _remove(path: str) -> None:
         raise os_error_to_connect(exc, path) from None
 
 
+def _require_readable(path: str) -> None:
+    """Linux's inotify_add_watch wants read permission on the directory; gVisor's does not check
+    it, so a watch checks it itself, by opening the directory for reading."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY))
+    except OSError as exc:
+        raise os_error_to_connect(exc, path) from None
+
+
 def _resolve(path: str, user: User) -> str:
     try:
         return resolve_path(path, user)
@@ -290,6 +299,7 @@ class FilesystemService:
         self, path: str, recursive: bool, include_entry: bool, allow_network_mounts: bool
     ) -> _Watch:
         _require_directory(path)
+        _require_readable(path)
         fs_type = _fs_type(os.path.realpath(path))
         if not allow_network_mounts and fs_type.split(".")[0] in _NETWORK_FS_TYPES:
             raise ConnectError(

@@ -59,6 +59,8 @@ REASON_LOG_ENTRIES = 20
 #: Output characters a failure's message carries.
 REASON_OUTPUT_CHARS = 2000
 UPLOAD_LINK_SECONDS = 3600
+#: Finished builds whose status and logs stay answerable (a template's current build always is).
+BUILDS_KEPT = 200
 FILES_HASH_RE = re.compile(r"[A-Za-z0-9]{8,128}")
 DEFAULT_WORKDIR = f"/home/{SANDBOX_USER}"
 
@@ -181,6 +183,9 @@ class TemplateBuilder:
             raise Invalid(f"memoryMB must be between 128 and 65536, got {memory_mb}")
         build = Build(template_id, str(uuid.uuid4()), all_tags, cpu_count or 2, memory_mb or 512)
         self._builds[build.build_id] = build
+        finished = [b for b in self._builds.values() if b.status in ("ready", "error")]
+        for old in finished[: max(0, len(finished) - BUILDS_KEPT)]:  # oldest first (dict order)
+            del self._builds[old.build_id]
         return build
 
     def get(self, template_id: str, build_id: str) -> Build:
@@ -301,7 +306,9 @@ class TemplateBuilder:
             base, parent, ctx = await self._base(build, spec, staging)
             runtime = self._runtimes.for_template(base)
             sandbox = SandboxSpec(sandbox_id=new_sandbox_id(), template=base)
-            if parent is not None and self._snapshots is not None:
+            # The parent's snapshot is a fraction of a boot, but it has the parent's start command
+            # running: a build starts from the parent's files only (E2B's), so those boot.
+            if parent is not None and parent.start is None and self._snapshots is not None:
                 instance = await self._snapshots.sandbox_of(parent, runtime, sandbox)
             else:
                 instance = await runtime.create(sandbox)

@@ -75,6 +75,7 @@ class EnvdExec:
         envs: dict[str, str] | None = None,
         output: OutputSink | None = None,
         detach: bool = False,
+        access_token: str | None = None,
     ) -> Exit | None:
         """Run ``argv`` and return how it ended; with ``detach`` return once it started (None)."""
         process: dict[str, object] = {"cmd": argv[0], "args": argv[1:], "envs": envs or {}}
@@ -85,6 +86,7 @@ class EnvdExec:
             **_auth(user),
             "Content-Type": "application/connect+json",
             "Connect-Protocol-Version": "1",
+            **({"X-Access-Token": access_token} if access_token else {}),
         }
         body = _envelope({"process": process, "stdin": False})
         try:
@@ -154,13 +156,14 @@ async def start_and_wait_ready(
     start: StartCommand,
     *,
     limit: float = READY_TIMEOUT_SECONDS,
+    access_token: str | None = None,
 ) -> None:
     """Start a template's start command (left running) and return once its ready command
     exits 0; ``Failed`` with the last attempt's output when it does not within ``limit`` s."""
     user, cwd, envs = start.user, start.workdir, start.envs
     if start.start_cmd:
         argv = shell_argv(rootfs, start.start_cmd)
-        await envd.run(instance, argv, user=user, cwd=cwd, envs=envs, detach=True)
+        await envd.run(instance, argv, user=user, cwd=cwd, envs=envs, detach=True, access_token=access_token)
     if not start.ready_cmd:
         return
     deadline = time.monotonic() + limit
@@ -175,7 +178,9 @@ async def start_and_wait_ready(
         try:
             async with asyncio.timeout(max(1.0, min(READY_ATTEMPT_SECONDS, deadline - time.monotonic()))):
                 argv = shell_argv(rootfs, start.ready_cmd)
-                ended = await envd.run(instance, argv, user=user, cwd=cwd, envs=envs, output=collect)
+                ended = await envd.run(
+                    instance, argv, user=user, cwd=cwd, envs=envs, output=collect, access_token=access_token
+                )
             if ended is not None and ended.exit_code == 0:
                 return
             last = f"exit {ended.exit_code if ended else '?'}: {''.join(seen)[-500:]}"

@@ -528,7 +528,7 @@ class Orchestrator:
         rec = await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
         if info.start is not None and rec.instance is not None:
             # A boot, not the template's snapshot: start the start command it would have running.
-            await self.template_snapshots.start_command(info, rec.instance)
+            await self.template_snapshots.start_command(info, rec.instance, rec.envd_access_token)
         return rec
 
     async def _from_template_snapshot(
@@ -959,6 +959,7 @@ class Orchestrator:
             else templates.load(rec.template_id, self.settings).image
         )
         rec.instance = await self._runtime(rec).boot_kept_disk(self._spec(rec, image), rec.instance)
+        rec.memory_base = None  # a new memory: no incremental snapshot may build on the old one
         await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
 
     async def _freeze(self, rec: SandboxRecord) -> bool:

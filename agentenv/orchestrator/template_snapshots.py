@@ -132,13 +132,17 @@ class TemplateSnapshots:
                 log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
         return await runtime.create(spec)
 
-    async def start_command(self, info: templates.TemplateInfo, instance: SandboxInstance) -> None:
+    async def start_command(
+        self, info: templates.TemplateInfo, instance: SandboxInstance, access_token: str | None
+    ) -> None:
         """Start a built template's start command in a booted sandbox of it and wait for its
         ready command; a failure is logged (the sandbox stays up, as E2B's would)."""
         if info.start is None:
             return
         try:
-            await start_and_wait_ready(self._envd, instance, info.image.rootfs, info.start)
+            await start_and_wait_ready(
+                self._envd, instance, info.image.rootfs, info.start, access_token=access_token
+            )
         except AgentenvError as exc:
             log.warning("start command of %s in %s: %s", info.image.template_id, instance.sandbox_id, exc)
 

@@ -47,6 +47,21 @@ async def kill_quietly(sandbox: AsyncSandbox) -> bool:
     return False
 
 
+def retryable(exc: BaseException) -> bool:
+    """Whether trying again may help: not after the server refused the request itself (a bad
+    template, a bad argument, a bad key: the SDK's 4xx exceptions other than rate limiting)."""
+    from e2b import (
+        AuthenticationException,
+        InvalidArgumentException,
+        NotEnoughSpaceException,
+        NotFoundException,
+    )
+
+    return not isinstance(
+        exc, NotFoundException | InvalidArgumentException | AuthenticationException | NotEnoughSpaceException
+    ) and not str(exc).startswith(("400", "401", "403", "404"))
+
+
 class SandboxGroup:
     def __init__(
         self,
@@ -73,10 +88,13 @@ class SandboxGroup:
         envs: dict[str, str] | None = None,
         connection: Connection | None = None,
         group_id: str | None = None,
+        retries: int = 1,
     ) -> SandboxGroup:
         """``n`` sandboxes of ``template`` (a template or a snapshot id), at most ``concurrency``
-        created at a time. ``lifetime``: each member's server-side timeout in seconds. All or
-        nothing: when one create fails the others are killed and :class:`GroupError` is raised."""
+        created at a time. ``lifetime``: each member's server-side timeout in seconds. A failed
+        create is tried again up to ``retries`` times (not one the server refused with a 4xx:
+        that would fail again). All or nothing: when a member cannot be created the others are
+        killed and :class:`GroupError` is raised."""
         from e2b import AsyncSandbox
 
         if n < 1:
@@ -86,10 +104,15 @@ class SandboxGroup:
         opts = (connection or Connection()).opts()
 
         async def make() -> AsyncSandbox | BaseException:
-            try:
-                return await AsyncSandbox.create(template, timeout=lifetime, metadata=tags, envs=envs, **opts)
-            except Exception as exc:
-                return exc
+            for attempt in range(retries + 1):
+                try:
+                    return await AsyncSandbox.create(
+                        template, timeout=lifetime, metadata=tags, envs=envs, **opts
+                    )
+                except Exception as exc:
+                    if attempt == retries or not retryable(exc):
+                        return exc
+            raise AssertionError("unreachable")
 
         made = await bounded(concurrency, [make] * n)
         members = [m for m in made if not isinstance(m, BaseException)]

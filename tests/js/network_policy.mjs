@@ -9,7 +9,7 @@ const probe = `python3 - ${port} ${addrs.join(' ')} <<'EOF'
 import json, socket, sys, concurrent.futures as cf
 def probe(a):
     try:
-        with socket.create_connection((a, int(sys.argv[1])), timeout=1.5) as c:
+        with socket.create_connection((a, int(sys.argv[1])), timeout=1.0) as c:
             return "OPEN" if c.recv(4) == b"pong" else "ODD"
     except OSError:
         return "BLOCKED"

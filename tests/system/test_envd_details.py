@@ -170,6 +170,9 @@ def test_filesystem_only_pause(sbx: Sandbox, agentenv_server: ServerProcess) -> 
     assert resumed.commands.run("echo alive").stdout == "alive\n"
     assert resumed.pause(mode="filesystem")
     Sandbox.kill(sbx.sandbox_id)
+    deadline = time.monotonic() + 30  # a kill releases the disk after it answers
+    while scratch.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not scratch.exists()
 
 

@@ -55,7 +55,7 @@ import json, socket, sys, concurrent.futures as cf
 port = int(sys.argv[1])
 def probe(a):
     try:
-        with socket.create_connection((a, port), timeout=1.5) as c:
+        with socket.create_connection((a, port), timeout=1.0) as c:
             return "OPEN" if c.recv(4) == b"pong" else "ODD"
     except OSError:
         return "BLOCKED"

@@ -178,6 +178,12 @@ async def test_grpo_step_forks_acts_rewards_and_prunes(agentenv_server: ServerPr
         for node in outcome.nodes:
             assert not node.alive and await gone(node.node_id, agentenv_server)
         assert tree.root.alive
+        # A node's durable checkpoint, and the node back to it in place.
+        snapshot_id = await tree.checkpoint(tree.root)
+        await tree.root.live().files.write("/home/user/prompt", "changed")
+        await tree.rollback(tree.root)
+        assert await tree.root.live().files.read("/home/user/prompt") == "2+2"
+    assert not any(s.snapshot_id == snapshot_id for s in Sandbox.list_snapshots().next_items())
 
 
 # -- rollback -----------------------------------------------------------------------------------

@@ -113,7 +113,9 @@ def get_as(url: str, host: str, verify: ssl.SSLContext | bool = True) -> httpx.R
         return client.send(request)
 
 
-def test_get_host_is_served_over_tls_with_the_nodes_ca(url_server: tuple[ServerProcess, int, int]) -> None:
+def test_get_host_is_served_over_tls_with_the_nodes_ca(
+    url_server: tuple[ServerProcess, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     server, tls_port, dns_port = url_server
     log = server.log_tail(20_000)
     ca = server.data_dir / "tls" / "ca.pem"
@@ -142,6 +144,7 @@ def test_get_host_is_served_over_tls_with_the_nodes_ca(url_server: tuple[ServerP
 
         # Signed file URLs made by an SDK that routes by name (no E2B_SANDBOX_URL) carry the
         # sandbox in their host, and work through the HTTPS listener.
+        monkeypatch.delenv("E2B_SANDBOX_URL", raising=False)  # another module's server may set it
         by_name = Sandbox.connect(sbx.sandbox_id, api_key=server.api_key, api_url=server.url)
         url = by_name.download_url("/home/user/www/hello.txt", use_signature_expiration=120)
         assert urllib.parse.urlsplit(url).netloc == f"49983-{sbx.sandbox_id}.{DOMAIN}:{tls_port}"

@@ -263,6 +263,8 @@ def registry_image() -> Iterator[str]:
             ["umoci", "new", "--image", f"{layout}:base"],
             ["umoci", "unpack", "--image", f"{layout}:base", str(bundle)],
             ["cp", "-a", f"{SHARED_TEMPLATES / 'base' / 'rootfs'}/.", str(bundle / "rootfs")],
+            # Documentation and translations are a quarter of the root and nothing here reads them.
+            ["rm", "-rf", *(str(bundle / "rootfs/usr/share" / d) for d in ("doc", "man", "locale"))],
             ["umoci", "repack", "--image", f"{layout}:base", str(bundle)],
             ["umoci", "config", "--image", f"{layout}:base", "--config.env", "FROM_IMAGE_ENV=yes"],
             [

@@ -420,6 +420,28 @@ async def test_proxy_streams_large_bodies(node: Node) -> None:
     await node.client.delete(f"/sandboxes/{sid}")
 
 
+async def test_bad_input_is_4xx_never_5xx(node: Node) -> None:
+    """Issue 15 item 6: what used to be 500s, and bodies and metadata beyond E2B's limits."""
+    for port in (b"\xb2", "\u0664\u0669".encode(), b"-1", b"99999"):  # "\xb2" is latin-1 for "²"
+        headers = {"E2b-Sandbox-Id": b"abc", "E2b-Sandbox-Port": port}
+        assert_e2b_error(await node.client.get("/health", headers=headers), 400)
+    huge_metadata = {"templateID": "base", "metadata": {"k": "v" * (10 << 20)}}
+    assert "metadata" in assert_e2b_error(await node.client.post("/v2/sandboxes", json=huge_metadata), 400)
+    over = b'{"templateID": "base", "x": "' + b"y" * (16 << 20) + b'"}'
+    assert_e2b_error(await node.client.post("/v2/sandboxes", content=over), 413)
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for i in range(0, len(over), 1 << 20):
+            yield over[i : i + (1 << 20)]
+
+    assert_e2b_error(await node.client.post("/v2/sandboxes", content=chunked()), 413)
+    assert_e2b_error(await node.client.get("/sandboxes/abc/logs", params={"start": 10**20}), 400)
+    # A nextToken of Unicode digits ("²") is no position: the first page, not a 500.
+    assert (await node.client.get("/snapshots", params={"nextToken": "\u00b2"})).status_code == 200
+    rec = await create(node, metadata={"k": "v" * 1000})  # within the limits
+    await node.client.delete(f"/sandboxes/{rec['sandboxID']}")
+
+
 async def test_proxy_upload_limit_413(node: Node) -> None:
     sid = str((await create(node))["sandboxID"])
     too_big = os.urandom(MAX_UPLOAD + 1)

@@ -302,3 +302,14 @@ async def test_a_failed_rollback_is_undone_by_destroying_the_sandbox(tmp_path: P
         messages = [ln.message for ln in await orch.store.logs(rec.sandbox_id, start=None, limit=50)]
         assert any("rollback to" in m and "failed" in m for m in messages), messages
         assert await orch.catalog.get(snap.snapshot_id) is not None  # the snapshot is not harmed
+
+
+def test_only_failures_that_may_pass_next_time_are_retried() -> None:
+    from e2b import InvalidArgumentException, NotFoundException, SandboxException, TimeoutException
+
+    from agentenv.rl.group import retryable
+
+    assert retryable(SandboxException("500: restore failed")) and retryable(TimeoutException("slow"))
+    assert retryable(SandboxException("429: rate limited"))
+    assert not retryable(SandboxException("404: template 'x' not found"))
+    assert not retryable(NotFoundException("gone")) and not retryable(InvalidArgumentException("bad"))

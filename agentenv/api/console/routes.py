@@ -14,13 +14,14 @@ import urllib.parse
 from importlib import resources
 from typing import Any
 
+import httpx
 import jinja2
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from agentenv.api.auth import check_key
 from agentenv.api.console import charts
-from agentenv.api.console.auth import COOKIE, COOKIE_PATH, require_console_key
+from agentenv.api.console.auth import COOKIE, COOKIE_PATH, console_key, require_console_key
 from agentenv.api.console.node import NodeHistory, node_status
 from agentenv.errors import AgentenvError, Invalid, NotFound
 from agentenv.orchestrator import templates
@@ -281,9 +282,43 @@ def _build_routes(request: Request) -> list[str]:
 @router.get("/templates")
 async def templates_page(request: Request) -> HTMLResponse:
     infos = templates.list_all(request.app.state.settings)
-    routes = _build_routes(request)
-    logs_route = next((p for p in routes if p.endswith("/logs")), None)
-    return render(request, "templates.html", templates=infos, logs_route=logs_route)
+    builds_api = any(p.endswith("/builds/{build_id}/logs") for p in _build_routes(request))
+    return render(request, "templates.html", templates=infos, builds_api=builds_api)
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/logs")
+async def build_logs_page(request: Request, template_id: str, build_id: str) -> HTMLResponse:
+    """A build's logs, read from the build API in process (so the console shows whatever that API
+    serves, with its errors) with the console user's key."""
+    path = f"/templates/{urllib.parse.quote(template_id)}/builds/{urllib.parse.quote(build_id)}/logs"
+    headers = {"X-API-Key": console_key(request) or ""}
+    entries: list[dict[str, Any]] = []
+    problem = None
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=request.app), base_url="http://console"
+    ) as c:
+        cursor: int | None = None
+        while True:  # the API pages 100 entries at a time
+            resp = await c.get(
+                path, headers=headers, params={"limit": 100, **({"cursor": cursor} if cursor else {})}
+            )
+            if resp.is_error:
+                problem = resp.json().get("message", resp.reason_phrase)
+                break
+            page = [e for e in resp.json()["logs"] if e not in entries]
+            entries += page
+            if len(page) == 0 or len(resp.json()["logs"]) < 100:
+                break
+            last = dt.datetime.fromisoformat(str(page[-1]["timestamp"]).replace("Z", "+00:00"))
+            cursor = int(last.timestamp() * 1000)
+    return render(
+        request,
+        "build_logs.html",
+        template_id=template_id,
+        build_id=build_id,
+        entries=entries,
+        problem=problem,
+    )
 
 
 @router.get("/node")

@@ -111,7 +111,7 @@ class Runsc:
             "--net-disconnect-ok",
             # nproc inside is the template's vCPUs (the cgroup's CPU quota), not the node's cores.
             "--cpu-num-from-quota",
-        ] + (["--debug", "--debug-log=/tmp/p3x/dbg/"] if os.environ.get("P3DEBUG") else [])  # P3TMP
+        ]
 
     # -- commands ------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed, Gone
 from agentenv.runtime import network
 from agentenv.runtime.base import CpuSampler, Runtime, envd_healthy, log_tail
-from agentenv.runtime.gvisor import cgroups, checkpoint, freezer, watch
+from agentenv.runtime.gvisor import cgroups, checkpoint, freezer, oom, watch
 from agentenv.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from agentenv.runtime.gvisor.disk import RootDisks
 from agentenv.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir
@@ -100,6 +100,20 @@ class GvisorRuntime(Runtime):
         )
         self.disks = RootDisks(settings.data_dir)
         self._cpu = CpuSampler()
+        #: The OOM guard of each sandbox this process started or re-attached.
+        self._oom_guards: dict[str, oom.Guard] = {}
+
+    def _guard_memory(self, paths: SandboxPaths) -> None:
+        """(Re)arm the sandbox's OOM guard; called right after every runsc start."""
+        self._unguard_memory(paths.sandbox_id)
+        guard = oom.Guard.arm(self.runsc, paths, paths.envd_log)
+        if guard is not None:
+            self._oom_guards[paths.sandbox_id] = guard
+
+    def _unguard_memory(self, sandbox_id: str) -> None:
+        guard = self._oom_guards.pop(sandbox_id, None)
+        if guard is not None:
+            guard.close()
 
     def probe(self) -> str | None:
         runsc = self.runsc.binary
@@ -132,6 +146,7 @@ class GvisorRuntime(Runtime):
             self._write_bundle(spec, net, rootfs, envd_bundle)
             instance = self._instance(spec, net, envd_bundle)
             await self.runsc.start(paths)
+            self._guard_memory(paths)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
         except BaseException:
             await self._destroy(paths, net)
@@ -162,6 +177,7 @@ class GvisorRuntime(Runtime):
         """Remove everything of the sandbox; every step tolerates an already-missing part."""
         # SIGKILL, not a graceful stop: nothing inside deserves one, and ``runsc kill`` would
         # cost another runsc start.
+        self._unguard_memory(paths.sandbox_id)
         await self.runsc.stop(paths)
         self._cpu.forget(paths.sandbox_id)
         await asyncio.to_thread(self.disks.unmount, paths)
@@ -197,6 +213,7 @@ class GvisorRuntime(Runtime):
             self._write_bundle(spec, net, rootfs, envd_bundle)
             instance = self._instance(spec, net, envd_bundle)
             await self.runsc.start(paths)
+            self._guard_memory(paths)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
         except BaseException:
             await self._stop_sandbox(paths, net)  # the disk stays: the sandbox is still paused
@@ -205,6 +222,7 @@ class GvisorRuntime(Runtime):
 
     async def _stop_sandbox(self, paths: SandboxPaths, net: SandboxNetwork | None) -> None:
         """Everything of :meth:`_destroy` but the sandbox's files (its disk image, upper, layers)."""
+        self._unguard_memory(paths.sandbox_id)
         await self.runsc.stop(paths)
         self._cpu.forget(paths.sandbox_id)
         await asyncio.to_thread(self.disks.unmount, paths)
@@ -365,7 +383,8 @@ class GvisorRuntime(Runtime):
     # -- observing ------------------------------------------------------------------------------
 
     async def wait_exit(self, instance: SandboxInstance) -> str | None:
-        """Wait on a pidfd of the sandbox's runsc sandbox process (see :mod:`~.watch`)."""
+        """Wait on a pidfd of the sandbox's runsc sandbox process (see :mod:`~.watch`); while
+        it runs, its OOM kills stay inside it (:class:`oom.Guard`, armed at every start)."""
         paths = self.paths(instance.sandbox_id)
         oom_kills = cgroups.oom_kills(instance.sandbox_id)
         pid = watch.sentry_pid(paths.container_id, await self.runsc.sandbox_pid(paths.container_id))
@@ -373,6 +392,8 @@ class GvisorRuntime(Runtime):
             if await self.is_alive(instance):
                 return None  # runsc says running but names no process: cannot watch
             return "its runsc sandbox process is gone"
+        if instance.sandbox_id not in self._oom_guards:  # re-attached after a server restart
+            self._guard_memory(paths)
         await watch.wait_pid(pid)
         return watch.death_reason(instance.sandbox_id, pid, oom_kills, log_tail(paths.envd_log))
 
@@ -508,6 +529,7 @@ class GvisorRuntime(Runtime):
             await asyncio.to_thread(self.disks.mount, paths, template_rootfs, chain, disk_mb)
             net = SandboxNetwork.from_state(instance.state["network"])
             await checkpoint.restore_container(self.runsc, paths, image, net)
+            self._guard_memory(paths)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
         except BaseException:
             log.exception("sandbox %s did not come back after its snapshot", instance.sandbox_id)
@@ -538,6 +560,7 @@ class GvisorRuntime(Runtime):
             instance = self._instance(spec, net, envd_bundle)
             t = time.monotonic()
             await checkpoint.restore_container(self.runsc, paths, source.path / MEMORY_DIR, net)
+            self._guard_memory(paths)
             timings["runsc_restore_ms"] = elapsed_ms(t)
             t = time.monotonic()
             await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)

@@ -1,0 +1,88 @@
+"""The parts of network policy and sandbox URLs that need no root: parsing a policy, the order of
+a sandbox's egress chain, the CA and certificate, the DNS responder's answers."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from dnslib import QTYPE, DNSRecord
+
+from agentenv.api import dns, tls
+from agentenv.api.routes_network import check_mask
+from agentenv.config import Settings
+from agentenv.errors import Invalid
+from agentenv.runtime import network
+from agentenv.types import EgressPolicy
+
+
+def test_policies_are_parsed_as_e2b_does() -> None:
+    policy = network.parse_egress(["1.2.3.4", "10.1.2.3/8", "1.2.3.4/32"], ["0.0.0.0/0"])
+    assert policy == EgressPolicy(allow_out=("1.2.3.4/32", "10.0.0.0/8"), deny_out=("0.0.0.0/0",))
+    for allow, deny, message in [
+        (["example.com"], None, "domain names in allowOut"),
+        (["*.example.com"], None, "domain names in allowOut"),
+        (["10.0.0.300"], None, "invalid allowOut entry"),
+        (["fe80::1"], None, "IPv4 only"),
+        ([""], None, "invalid allowOut entry"),
+        (None, ["example.com"], "invalid denied CIDR example.com"),
+        (None, ["1.2.3.4/33"], "invalid denied CIDR"),
+        (["1.1.1.1"] * 257, None, "at most 256"),
+    ]:
+        with pytest.raises(Invalid, match=message):
+            network.parse_egress(allow, deny)
+
+
+def test_the_egress_chain_allows_first_then_denies_defaults_then_the_policy() -> None:
+    rules = network.egress_rules(False, EgressPolicy(allow_out=("10.9.0.0/16",), deny_out=("8.8.8.8/32",)))
+    verdicts = [(r[1] if r[0] == "-d" else "*", r[-1]) for r in rules]
+    assert verdicts[0] == ("10.9.0.0/16", "ACCEPT")
+    defaults = [cidr for cidr, verdict in verdicts[1:-2] if verdict == "DROP"]
+    assert set(network.DEFAULT_DENIED) <= set(defaults)
+    assert verdicts[-2:] == [("8.8.8.8/32", "DROP"), ("*", "DROP")]
+    assert network.egress_rules(True, None)[-1] == ["-j", "ACCEPT"]
+
+
+def test_mask_request_host_is_checked() -> None:
+    assert check_mask("${PORT}-app.example.com:8443") == "${PORT}-app.example.com:8443"
+    for bad in ("a b", "évil.com", "x\r\nY: 1", "host:99999999", ""):
+        with pytest.raises(Invalid):
+            check_mask(bad)
+
+
+def test_the_ca_is_made_once_and_signs_a_wildcard_for_the_domain(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, sandbox_domain="sbx.example.test", tls_port=8443)
+    first = tls.ensure_tls(settings)
+    ca_before = first.ca.read_bytes()
+    second = tls.ensure_tls(settings)
+    assert second.ca.read_bytes() == ca_before  # clients trust it once
+    assert (tmp_path / "tls" / "ca-key.pem").stat().st_mode & 0o077 == 0
+    leaf = x509.load_pem_x509_certificates(second.cert.read_bytes())[0]
+    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "*.sbx.example.test" in names.get_values_for_type(x509.DNSName)
+    ctx = ssl.create_default_context(cafile=str(second.bundle))  # loads: the bundle parses
+    assert ctx.cert_store_stats()["x509_ca"] >= 1
+    assert tls.public_domain(settings) == "sbx.example.test:8443"
+    with pytest.raises(Invalid, match="two labels"):
+        tls.check_domain("localhost")
+
+
+async def test_the_responder_answers_its_domain_and_refuses_without_upstream() -> None:
+    protocol, (host, port) = await dns.start_dns("127.0.0.1:0", "agentenv.localhost", "127.0.0.9", "")
+    protocol.upstream = None
+    loop = asyncio.get_running_loop()
+
+    def ask(name: str, qtype: str = "A") -> DNSRecord:
+        return DNSRecord.parse(DNSRecord.question(name, qtype).send(host, port, timeout=3))
+
+    try:
+        ours = await loop.run_in_executor(None, ask, "3000-iabc.Agentenv.Localhost")
+        assert [str(rr.rdata) for rr in ours.rr if rr.rtype == QTYPE.A] == ["127.0.0.9"]
+        assert (await loop.run_in_executor(None, ask, "3000-iabc.agentenv.localhost", "AAAA")).rr == []
+        other = await loop.run_in_executor(None, ask, "example.com")
+        assert other.header.rcode == 5 and other.rr == []  # REFUSED
+    finally:
+        protocol.close()
