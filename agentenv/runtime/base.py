@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from agentenv.config import Settings
-from agentenv.errors import NotSupported
+from agentenv.errors import Conflict, NotSupported
 from agentenv.runtime import network
 from agentenv.types import (
     EgressPolicy,
@@ -88,8 +88,8 @@ class Runtime(abc.ABC):
         Every runtime keeps its :class:`~agentenv.runtime.network.SandboxNetwork` in
         ``instance.state["network"]``; one that keeps none cannot."""
         state = instance.state.get("network")
-        if not state:
-            raise NotSupported(f"sandbox {instance.sandbox_id} has no network of its own to update")
+        if not state:  # a 409 (the endpoint's documented refusal), not a server error
+            raise Conflict(f"sandbox {instance.sandbox_id} has no network of its own to update")
         await network.update_egress(
             self.settings,
             network.SandboxNetwork.from_state(state),

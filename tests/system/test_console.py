@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from tests.support.server import ServerProcess
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = REPO / "tests" / "artifacts" / "console"
 WAIT_S = 30.0
+T = TypeVar("T")
 
 pytestmark = pytest.mark.skipif(
     not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()),
@@ -59,10 +61,51 @@ def shot(driver: object, name: str) -> None:
     assert driver.save_screenshot(str(path)), f"screenshot {path} failed"  # type: ignore[attr-defined]
 
 
+def settled(fn: Callable[[], T]) -> T:
+    """``fn()`` again when the page was replaced under it (the list reloads itself every 5 s)."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+
+    for _ in range(20):
+        try:
+            return fn()
+        except StaleElementReferenceException:
+            pass
+        except WebDriverException as exc:  # chromedriver's other words for a replaced page
+            if "does not belong to the document" not in str(exc):
+                raise
+        time.sleep(0.2)
+    return fn()
+
+
 def body_text(driver: object) -> str:
     from selenium.webdriver.common.by import By
 
-    return str(driver.find_element(By.TAG_NAME, "body").text)  # type: ignore[attr-defined]
+    return settled(lambda: str(driver.find_element(By.TAG_NAME, "body").text))  # type: ignore[attr-defined]
+
+
+def click_and_load(driver: object, by: str, selector: str) -> None:
+    """Click what submits a form and wait until the browser has the next page."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def click() -> object:
+        page = driver.find_element(By.TAG_NAME, "html")  # type: ignore[attr-defined]
+        driver.find_element(by, selector).click()  # type: ignore[attr-defined]
+        return page
+
+    def replaced(_: object) -> bool:
+        # ec.staleness_of, but chromedriver 156 also says "does not belong to the document".
+        try:
+            _ = old.tag_name  # type: ignore[attr-defined]
+        except WebDriverException:
+            return True
+        return False
+
+    old = settled(click)
+    wait = WebDriverWait(driver, WAIT_S)
+    wait.until(replaced)
+    wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
 
 
 def test_unauthenticated_requests_are_refused(agentenv_server: ServerProcess) -> None:
@@ -89,10 +132,10 @@ def test_console_login_sandbox_terminal_actions_kill(browser: object, agentenv_s
     assert d.current_url.endswith("/console/login")  # type: ignore[attr-defined]
     shot(d, "login")
     d.find_element(By.ID, "api_key").send_keys("wrong-key")  # type: ignore[attr-defined]
-    d.find_element(By.ID, "login").click()  # type: ignore[attr-defined]
+    click_and_load(d, By.ID, "login")
     assert "invalid API key" in body_text(d)
     d.find_element(By.ID, "api_key").send_keys(agentenv_server.api_key)  # type: ignore[attr-defined]
-    d.find_element(By.ID, "login").click()  # type: ignore[attr-defined]
+    click_and_load(d, By.ID, "login")
     assert d.current_url.endswith("/console/sandboxes")  # type: ignore[attr-defined]
 
     sbx = Sandbox.create(timeout=300, metadata={"suite": "console"})
@@ -100,7 +143,7 @@ def test_console_login_sandbox_terminal_actions_kill(browser: object, agentenv_s
         sid = sbx.sandbox_id
         # The list refreshes itself every 5 s: the new sandbox appears without a reload.
         wait_for("the sandbox in the list", lambda: d.find_elements(By.ID, f"sb-{sid}"), timeout=15)  # type: ignore[attr-defined]
-        row = d.find_element(By.ID, f"sb-{sid}").text  # type: ignore[attr-defined]
+        row = settled(lambda: d.find_element(By.ID, f"sb-{sid}").text)  # type: ignore[attr-defined]
         assert "running" in row and "suite=console" in row and "base" in row
         shot(d, "sandboxes")
 
@@ -118,18 +161,20 @@ def test_console_login_sandbox_terminal_actions_kill(browser: object, agentenv_s
         shot(d, "terminal")
 
         d.get(f"{url}/console/sandboxes/{sid}")  # type: ignore[attr-defined]
-        d.find_element(By.XPATH, "//button[text()='Pause']").click()  # type: ignore[attr-defined]
+        click_and_load(d, By.XPATH, "//button[text()='Pause']")
         assert f"paused {sid}" in body_text(d) and "paused (frozen)" in body_text(d)
         assert Sandbox.get_info(sid).state.value == "paused"
-        d.find_element(By.XPATH, "//button[text()='Resume']").click()  # type: ignore[attr-defined]
+        click_and_load(d, By.XPATH, "//button[text()='Resume']")
         assert f"resumed {sid}" in body_text(d)
         d.find_element(By.NAME, "name").send_keys("from-console")  # type: ignore[attr-defined]
-        d.find_element(By.XPATH, "//button[text()='Snapshot']").click()  # type: ignore[attr-defined]
+        click_and_load(d, By.XPATH, "//button[text()='Snapshot']")
         assert f"of {sid}" in body_text(d)
         shot(d, "sandbox")
 
         d.get(url + "/console/snapshots")  # type: ignore[attr-defined]
-        assert "from-console" in body_text(d)
+        text = body_text(d)
+        # Its chain runs back to the template snapshot the sandbox was restored from.
+        assert "from-console" in text and "← snap" in text
         shot(d, "snapshots")
         d.get(url + "/console/templates")  # type: ignore[attr-defined]
         assert d.find_elements(By.ID, "tpl-base")  # type: ignore[attr-defined]
@@ -141,7 +186,7 @@ def test_console_login_sandbox_terminal_actions_kill(browser: object, agentenv_s
         shot(d, "node")
 
         d.get(url + "/console/sandboxes")  # type: ignore[attr-defined]
-        d.find_element(By.CSS_SELECTOR, f"#sb-{sid} button[name=kill]").click()  # type: ignore[attr-defined]
+        click_and_load(d, By.CSS_SELECTOR, f"#sb-{sid} button[name=kill]")
         assert f"killed {sid}" in body_text(d)
         assert not d.find_elements(By.ID, f"sb-{sid}")  # type: ignore[attr-defined]
         assert sid not in [s.sandbox_id for s in Sandbox.list().next_items()]

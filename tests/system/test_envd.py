@@ -997,8 +997,9 @@ def _envd_in_mount_namespace(binds: dict[Path, str], log: Path) -> Envd:
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
 def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
     """Like an E2B template: a ``user`` account exists, so it is the default (private mount ns)."""
-    home = tmp_path / "home-user"
-    home.mkdir()
+    # Not below tmp_path: pytest's /tmp/pytest-of-root is root's alone (0700), and envd writes
+    # files with the user's rights (docs/HARDENING.md), so the user must be able to reach home.
+    home = Path(tempfile.mkdtemp(prefix="envd-home-user-"))
     os.chown(home, 61000, 61000)
     passwd, group = tmp_path / "passwd", tmp_path / "group"
     passwd.write_text(Path("/etc/passwd").read_text() + f"user:x:61000:61000::{home}:/bin/bash\n")
@@ -1015,6 +1016,7 @@ def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
         assert sbx.commands.run("whoami", user="root").stdout == "root\n"  # type: ignore[arg-type]
     finally:
         log_text = _stop_envd(server)
+        shutil.rmtree(home, ignore_errors=True)
         assert "Traceback" not in log_text
 
 

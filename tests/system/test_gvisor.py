@@ -186,16 +186,21 @@ async def test_python_in_sandbox_is_the_templates(
 async def test_limits_in_oci_spec(gvisor: GvisorRuntime, base_template: TemplateImage) -> None:
     from dataclasses import replace
 
+    from agentenv.runtime.gvisor.runtime import HOST_PIDS_LIMIT, NPROC_LIMIT
     from agentenv.runtime.network import SandboxNetwork
 
     tpl = replace(base_template, vcpus=3, memory_mb=768)
     spec = SandboxSpec(sandbox_id="specid", template=tpl, envs={"A": "b"}, envd_access_token="tok")
     net = SandboxNetwork("specid", "ae-specid", 7, "aeh7", "aes7", "10.213.0.29", "10.213.0.30")
     config = gvisor.oci_spec(spec, net, Path("/r"), Path("/b"))
-    assert config["linux"]["resources"] == {
-        "cpu": {"quota": 300_000, "period": 100_000},
-        "memory": {"limit": 768 << 20},
-    }
+    resources = config["linux"]["resources"]
+    assert (resources["cpu"]["quota"], resources["cpu"]["period"]) == (300_000, 100_000)
+    assert resources["memory"] == {"limit": 768 << 20}
+    assert resources["pids"] == {"limit": HOST_PIDS_LIMIT}
+    rlimits = {r["type"]: r["hard"] for r in config["process"]["rlimits"]}
+    assert rlimits["RLIMIT_NPROC"] == NPROC_LIMIT
+    tmp = next(m for m in config["mounts"] if m["destination"] == "/tmp")
+    assert "size=384m" in tmp["options"]  # half the memory
     assert {"type": "network", "path": "/var/run/netns/ae-specid"} in config["linux"]["namespaces"]
     assert "A=b" in config["process"]["env"] and "AGENTENV_ENVD_ACCESS_TOKEN=tok" in config["process"]["env"]
     loader = ["/.agentenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.agentenv/lib"]

@@ -85,7 +85,7 @@ def sbx(server: ServerProcess) -> Iterator[Sandbox]:
     finally:
         try:
             sandbox.kill()
-        except Exception:  # noqa: BLE001 - already gone (the death tests kill it themselves)
+        except Exception:  # already gone (the death tests kill it themselves)
             pass
     assert wait_no_host_resources(sandbox.sandbox_id) == []
 
@@ -235,7 +235,7 @@ def _wait_in_thread(handle: CommandHandle) -> tuple[threading.Thread, dict[str, 
     def wait() -> None:
         try:
             handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - how it ended is what is recorded
+        except BaseException as exc:  # how it ended is what is recorded
             ended["error"] = exc
         ended["at"] = time.monotonic()
 
@@ -297,7 +297,7 @@ def test_kill_ends_an_open_stream_at_once_async(server: ServerProcess) -> None:
             await asyncio.wait_for(waiting, STREAM_END_SECONDS + 1)
         except TimeoutError:
             pytest.fail("the command stream did not end after the kill")
-        except Exception as exc:  # noqa: BLE001 - ended, whatever the SDK calls it
+        except Exception as exc:  # ended, whatever the SDK calls it
             print(f"async wait ended with {type(exc).__name__}: {exc}")
         return time.monotonic() - killed
 

@@ -11,7 +11,7 @@ import time
 from markupsafe import Markup, escape
 
 WIDTH, HEIGHT = 640, 180
-PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 56, 12, 24, 24
+PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 76, 12, 24, 24
 COLOURS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563", "#ca8a04")
 
 Series = list[tuple[float, float]]
@@ -52,7 +52,7 @@ def multi_line_chart(series: dict[str, Series], *, unit: str, title: str) -> Mar
         f'<text x="{PAD_LEFT}" y="{HEIGHT - 6}" class="tick">{escape(_fmt(ago / 60, " min ago"))}</text>'
     )
     parts.append(f'<text x="{WIDTH - PAD_RIGHT}" y="{HEIGHT - 6}" class="tick" text-anchor="end">now</text>')
-    legend_x = PAD_LEFT + 8
+    legend_x = PAD_LEFT + 16 + 7 * len(title)  # the legend follows the title, clear of the lines
     for i, (name, pts) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]
         if len(pts) == 1:
@@ -61,8 +61,8 @@ def multi_line_chart(series: dict[str, Series], *, unit: str, title: str) -> Mar
         elif pts:
             coords = " ".join(xy(t, v) for t, v in sorted(pts))
             parts.append(f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2"/>')
-        if len(series) > 1:
-            parts.append(f'<text x="{legend_x}" y="{PAD_TOP + 12}" fill="{colour}" class="legend">')
+        if len(series) > 1 or name != title:
+            parts.append(f'<text x="{legend_x}" y="14" style="fill:{colour}" class="legend">')
             parts.append(f"{escape(name)}</text>")
             legend_x += 10 + 7 * len(name)
     parts.append("</svg>")

@@ -237,15 +237,19 @@ async def sandbox_action(request: Request, sandbox_id: str, action: str) -> Resp
 # -- snapshots ---------------------------------------------------------------------------------
 
 
-def chain(row: SnapshotRow, by_id: dict[str, SnapshotRow]) -> list[str]:
-    """The snapshot's ancestry, itself first (parents are the snapshots its disk layers and
-    memory were taken on top of; a parent that is not a listed snapshot is shown by id)."""
+def chain(row: SnapshotRow, by_id: dict[str, SnapshotRow], origin: dict[str, str | None]) -> list[str]:
+    """The snapshot's lineage, itself first: its parent snapshot (the one its memory and disk
+    layers were taken on top of), else the snapshot its source sandbox was restored from (a
+    template's or a user's); an ancestor that is no longer listed ends the chain by its id."""
     out, seen = [row.snapshot_id], {row.snapshot_id}
-    parent = row.parent_id
-    while parent and parent not in seen:
-        out.append(parent)
-        seen.add(parent)
-        parent = by_id[parent].parent_id if parent in by_id else None
+    current: SnapshotRow | None = row
+    while current is not None:
+        nxt = current.parent_id or origin.get(current.source_sandbox_id)
+        if not nxt or nxt in seen:
+            break
+        out.append(nxt)
+        seen.add(nxt)
+        current = by_id.get(nxt)
     return out
 
 
@@ -254,9 +258,16 @@ async def snapshots_page(request: Request) -> HTMLResponse:
     orch = _orch(request)
     rows = await orch.catalog.rows()
     by_id = {r.snapshot_id: r for r in rows}
+    origin: dict[str, str | None] = {}
+    for sid in {r.source_sandbox_id for r in rows}:
+        rec = await orch.store.get(sid)  # killed sandboxes keep their record (and their origin)
+        origin[sid] = rec.restored_from if rec is not None else None
     listed = sorted(rows, key=lambda r: r.created_at, reverse=True)
     return render(
-        request, "snapshots.html", rows=listed, chains={r.snapshot_id: chain(r, by_id) for r in listed}
+        request,
+        "snapshots.html",
+        rows=listed,
+        chains={r.snapshot_id: chain(r, by_id, origin) for r in listed},
     )
 
 

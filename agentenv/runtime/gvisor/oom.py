@@ -13,7 +13,9 @@ when the cgroup is out of memory. The guard lends the cgroup :data:`SLACK_BYTES`
 limit, kills the process inside with the largest resident set (never envd, pid 1) through
 ``runsc exec`` of the envd bundle's Python (the same choice Linux's OOM killer makes inside a
 VM), and takes the loan back. The sandbox sees MemTotal = its limit (runsc reports the cgroup
-limit), the hog dies by SIGKILL (exit 137, as under Linux), envd and the rest live on. When the
+limit), the hog dies by SIGKILL (exit 137, as under Linux), envd and the rest live on. If the kill cannot
+run (the hog ate the loan first: ``runsc exec`` times out), the kernel's OOM killer is let back
+in rather than leave the sandbox hanging at its limit. When the
 guard is not running (between operations, a server that is down) the kernel's OOM killer is
 back on: the sandbox may die then, and that death is noticed like any other.
 """
@@ -26,6 +28,7 @@ import logging
 import os
 from pathlib import Path
 
+from agentenv.errors import Failed
 from agentenv.runtime.gvisor.cgroups import CGROUP_PARENT, CGROUP_V1_ROOT
 from agentenv.runtime.gvisor.paths import SandboxPaths
 from agentenv.runtime.gvisor.runsc import Runsc
@@ -33,10 +36,13 @@ from agentenv.storage.envd_bundle import envd_argv
 
 log = logging.getLogger(__name__)
 
-#: Memory lent to an out-of-memory sandbox so that the kill inside can run (a Python start).
-SLACK_BYTES = 64 << 20
+#: Memory lent to an out-of-memory sandbox so that the kill inside can run (a Python start):
+#: at least this, or half the limit. The loan wakes the hog too, which keeps allocating until
+#: the kill lands (100-200 ms of ``runsc exec``): a loan it eats up first leaves the exec stuck
+#: (then the kernel's OOM killer is let back in, see :func:`_relieve`).
+SLACK_BYTES = 128 << 20
 #: Seconds the kill inside may take.
-KILL_TIMEOUT = 20.0
+KILL_TIMEOUT = 10.0
 
 #: Run inside as root: SIGKILL the process with the largest VmRSS, except envd (pid 1) and
 #: itself; print "<pid> <rss kB> <name>" of the victim ("0 0 " when there was none).
@@ -89,6 +95,11 @@ class Guard:
             raise
         self._loop.add_reader(self._efd, self._woken.set)
         self.task = asyncio.create_task(self._run(), name=f"oom-{paths.sandbox_id}")
+        self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the OOM guard of sandbox %s failed: %r", self.paths.sandbox_id, task.exception())
 
     @classmethod
     def arm(cls, runsc: Runsc, paths: SandboxPaths, report: Path) -> Guard | None:
@@ -129,17 +140,23 @@ async def _relieve(runsc: Runsc, paths: SandboxPaths, group: Path, report: Path)
     """Lend the slack, kill the largest process inside, take the slack back."""
     limit_file = group / "memory.limit_in_bytes"
     limit = int(limit_file.read_text())
-    limit_file.write_text(str(limit + SLACK_BYTES))
+    limit_file.write_text(str(limit + max(SLACK_BYTES, limit // 2)))
     try:
         argv = [*envd_argv()[:4], "-I", "-c", KILL_LARGEST]
-        code, out = await runsc.run("exec", paths.container_id, *argv, check=False, limit=KILL_TIMEOUT)
+        try:
+            code, out = await runsc.run("exec", paths.container_id, *argv, check=False, limit=KILL_TIMEOUT)
+        except Failed as exc:  # timed out
+            code, out = -1, str(exc)
         victim = out.strip().splitlines()[-1] if out.strip() else ""
         message = f"out of memory: killed pid {victim.split(' ', 1)[0]} inside" if code == 0 else ""
         if code != 0 or victim.startswith("0 "):
             message = f"out of memory and no process to kill inside (runsc exec exit {code}: {out[-300:]})"
+            # Never leave it hanging at its limit: the kernel's OOM killer takes over (the
+            # sandbox may die of it, which is noticed like any death).
+            with contextlib.suppress(OSError):
+                (group / "memory.oom_control").write_text("0")
         log.warning("sandbox %s %s (%s)", paths.sandbox_id, message, victim)
-        with contextlib.suppress(OSError), open(report, "a") as f:
-            f.write(f"agentenv: {message} ({victim} kB)\n")
+        _append(report, f"agentenv: {message} ({victim} kB)\n")
     finally:
         await _restore_limit(limit_file, limit)
 
@@ -148,9 +165,21 @@ async def _restore_limit(limit_file: Path, limit: int) -> None:
     """Set the limit back; the kernel refuses while usage is above it (the victim's memory is
     still being freed): retry for a while, then keep the loan (logged) rather than fail."""
     for _ in range(50):
-        try:
-            limit_file.write_text(str(limit))
+        if _write(limit_file, str(limit)):
             return
-        except OSError:
-            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)
     log.warning("%s: could not set the memory limit back to %d (usage above it)", limit_file, limit)
+
+
+def _write(path: Path, text: str) -> bool:
+    """Write a cgroup file (microseconds: no thread needed); False when the kernel refuses."""
+    try:
+        path.write_text(text)
+    except OSError:
+        return False
+    return True
+
+
+def _append(path: Path, line: str) -> None:
+    with contextlib.suppress(OSError), open(path, "a") as f:
+        f.write(line)

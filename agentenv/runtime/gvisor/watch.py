@@ -36,6 +36,7 @@ async def wait_pid(pid: int) -> None:
         return
     loop = asyncio.get_running_loop()
     exited: asyncio.Future[None] = loop.create_future()
+
     def readable() -> None:
         if not exited.done():
             exited.set_result(None)
