@@ -117,6 +117,23 @@ def parse_pairs(pairs: list[str] | None, what: str = "--metadata") -> dict[str, 
     return out
 
 
+def delete_templates(template_ids: list[str]) -> None:
+    """``DELETE /templates/{id}`` for each (in E2B a snapshot is a template too), one line per id;
+    exit 1 if any could not be deleted."""
+    failed = 0
+    with reported(), Api() as api:
+        for template_id in template_ids:
+            try:
+                api.request("DELETE", f"/templates/{template_id}")
+            except CliError as exc:
+                failed += 1
+                typer.echo(f"error: {template_id}: {exc.message}", err=True)
+            else:
+                typer.echo(f"deleted {template_id}")
+    if failed:
+        raise typer.Exit(1)
+
+
 @contextmanager
 def reported() -> Iterator[None]:
     """Turn API and SDK errors into one line on stderr and exit 1, never a traceback."""

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from agentenv.cli.client import Api, CliError, reported
+from agentenv.cli.client import Api, delete_templates, reported
 
 app = typer.Typer(help="List and delete snapshots (E2B API).")
 
@@ -50,15 +50,4 @@ def delete(
     snapshot_ids: Annotated[list[str], typer.Argument(help="Snapshots (ids or names) to delete.")],
 ) -> None:
     """Delete snapshots; exit 1 if any could not be deleted."""
-    failed = 0
-    with reported(), Api() as api:
-        for sid in snapshot_ids:
-            try:
-                api.request("DELETE", f"/templates/{sid}")
-            except CliError as exc:
-                failed += 1
-                typer.echo(f"error: {sid}: {exc.message}", err=True)
-            else:
-                typer.echo(f"deleted {sid}")
-    if failed:
-        raise typer.Exit(1)
+    delete_templates(snapshot_ids)

@@ -21,12 +21,20 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agentenv.api.routes_templates import build_spec
 from agentenv.api.schemas import TemplateBuildStartV2
 from agentenv.config import Settings
 from agentenv.errors import AgentenvError
-from agentenv.orchestrator.builder import BuildSpec, BuildStep, LogEntry, TemplateBuilder
+from agentenv.orchestrator.builder import (
+    BASE_STEP,
+    FINALIZE_STEP,
+    BuildSpec,
+    BuildStep,
+    LogEntry,
+    TemplateBuilder,
+)
 from agentenv.orchestrator.runtimes import RuntimeSet
 from agentenv.runtime.registry import select_runtime
 from agentenv.storage.templates import RECIPES, TemplateError, build_template, is_built, list_templates
@@ -136,17 +144,30 @@ async def _build_custom(
 ) -> bool:
     runtime, _ = select_runtime(settings)
     builder = TemplateBuilder(settings, RuntimeSet(settings, runtime), None)
-    try:
-        build = builder.request(name, [], cpu_count, memory_mb)
-        build.listener = _print
-        staged = await _stage_copies(builder, spec, context)
-        builder.check_spec(staged)
-        await builder.run(build, staged)
-    except AgentenvError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
-        return False
-    finally:
-        await builder.close()
+    # The build's logs stream above a progress bar of its steps (base, each step, finalize).
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    ) as progress:
+        bar = progress.add_task(f"building {name}", total=len(spec.steps) + 2)
+
+        def show(entry: LogEntry) -> None:
+            progress.console.print(_log_line(entry), markup=False, highlight=False, soft_wrap=True)
+            progress.update(bar, completed=_steps_done(entry.step, len(spec.steps)))
+
+        try:
+            build = builder.request(name, [], cpu_count, memory_mb)
+            build.listener = show
+            staged = await _stage_copies(builder, spec, context)
+            builder.check_spec(staged)
+            await builder.run(build, staged)
+        except AgentenvError as exc:
+            progress.stop()
+            typer.echo(f"error: {exc.message}", err=True)
+            return False
+        finally:
+            await builder.close()
+        if build.status == "ready":
+            progress.update(bar, completed=len(spec.steps) + 2)
     if build.status != "ready":
         typer.echo(f"error: {build.reason.message if build.reason else 'build failed'}", err=True)
         return False
@@ -154,8 +175,29 @@ async def _build_custom(
     return True
 
 
-def _print(entry: LogEntry) -> None:
-    typer.echo(f"{entry.timestamp:%H:%M:%S} [{entry.step or '-'}] {entry.message}")
+def _log_line(entry: LogEntry) -> str:
+    return f"{entry.timestamp:%H:%M:%S} [{entry.step or '-'}] {entry.message}"
+
+
+def _steps_done(step: str | None, steps: int) -> int:
+    """Steps finished when a log line of ``step`` arrives: none during the base, all but the
+    finalize during it, the ones before step ``n``."""
+    if step is None or step == BASE_STEP:
+        return 0
+    if step == FINALIZE_STEP:
+        return steps + 1
+    return int(step) if step.isdecimal() else 0
+
+
+@app.command("delete")
+def delete(
+    template_ids: Annotated[list[str], typer.Argument(help="Templates (ids or aliases) to delete.")],
+) -> None:
+    """Delete templates through the API (``DELETE /templates/{id}``: the template, its snapshot and
+    warm pool; ``base`` is refused); exit 1 if any could not be deleted."""
+    from agentenv.cli.client import delete_templates  # the SDK, loaded only for API commands
+
+    delete_templates(template_ids)
 
 
 @app.command("list")

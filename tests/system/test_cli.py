@@ -157,5 +157,9 @@ def test_errors_are_e2b_messages_not_tracebacks(agentenv_server: ServerProcess) 
     assert bad_key.returncode == 1 and "invalid API key" in bad_key.stderr
     down = cli("node", "status", env={"E2B_API_URL": "http://127.0.0.1:9"})
     assert down.returncode == 1 and "cannot reach the API" in down.stderr
+    no_template = cli("template", "delete", "no-such-template")
+    assert no_template.returncode == 1 and no_template.stderr.startswith("error: no-such-template: ")
+    base = cli("template", "delete", "base")  # refused (403): every sandbox's parent
+    assert base.returncode == 1 and "Traceback" not in base.stderr
     usage = cli("sandbox", "kill", "--metadata", "novalue")
     assert usage.returncode == 2

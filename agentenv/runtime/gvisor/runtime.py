@@ -175,15 +175,7 @@ class GvisorRuntime(Runtime):
 
     async def _destroy(self, paths: SandboxPaths, net: SandboxNetwork | None) -> None:
         """Remove everything of the sandbox; every step tolerates an already-missing part."""
-        # SIGKILL, not a graceful stop: nothing inside deserves one, and ``runsc kill`` would
-        # cost another runsc start.
-        self._unguard_memory(paths.sandbox_id)
-        await self.runsc.stop(paths)
-        self._cpu.forget(paths.sandbox_id)
-        await asyncio.to_thread(self.disks.unmount, paths)
-        await asyncio.to_thread(self.disks.release_disk, paths)
-        await network.teardown_network(self.settings, paths.sandbox_id, net)
-        await asyncio.to_thread(cgroups.remove, paths.sandbox_id, settle=CGROUP_SETTLE_SECONDS)
+        await self._stop_sandbox(paths, net)
         await asyncio.to_thread(shutil.rmtree, paths.root, True)
 
     # -- the filesystem pause tier: stop, keep the disk, boot again over it ----------------------
@@ -221,7 +213,10 @@ class GvisorRuntime(Runtime):
         return instance
 
     async def _stop_sandbox(self, paths: SandboxPaths, net: SandboxNetwork | None) -> None:
-        """Everything of :meth:`_destroy` but the sandbox's files (its disk image, upper, layers)."""
+        """Everything of :meth:`_destroy` but the sandbox's files (its disk image, upper, layers).
+        Every step tolerates an already-missing part."""
+        # SIGKILL, not a graceful stop: nothing inside deserves one, and ``runsc kill`` would
+        # cost another runsc start.
         self._unguard_memory(paths.sandbox_id)
         await self.runsc.stop(paths)
         self._cpu.forget(paths.sandbox_id)
