@@ -123,6 +123,13 @@ def _host_leftovers(settings: Settings, sandbox_id: str) -> dict[str, object]:
     return {k: v for k, v in found.items() if v}
 
 
+def _wait_no_host_leftovers(settings: Settings, sandbox_id: str, limit_s: float = 15.0) -> dict[str, object]:
+    deadline = time.monotonic() + limit_s
+    while (left := _host_leftovers(settings, sandbox_id)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return left
+
+
 def test_sdk_through_server(qemu_settings: Settings, guest: images.GuestImages) -> None:
     """The official SDK against ``agentenv serve`` running the qemu runtime."""
     server = start_server(qemu_settings.data_dir / "server", extra_env={"AGENTENV_RUNTIME": "qemu"})
@@ -146,7 +153,8 @@ def test_sdk_through_server(qemu_settings: Settings, guest: images.GuestImages) 
         finally:
             sbx.kill(request_timeout=120)
         server_data = qemu_settings.data_dir / "server"
-        assert _host_leftovers(Settings(data_dir=server_data), sbx.sandbox_id) == {}
+        # A kill returns once the VM is dead; its drive, network and directory go right after.
+        assert _wait_no_host_leftovers(Settings(data_dir=server_data), sbx.sandbox_id) == {}
     finally:
         server.stop()
         ReflinkPool(qemu_settings.data_dir / "server").destroy()
@@ -176,7 +184,7 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
         restored: SandboxInstance | None = None
         try:
             sbx = _envd_sdk(original)
-            sbx.files.write("/root/state.txt", "before snapshot\n", request_timeout=120)
+            sbx.files.write("/root/state.txt", "before snapshot\n", user="root", request_timeout=120)
             # A process whose memory holds state: it must still be alive, with the same pid.
             sbx.commands.run(
                 "sleep 100000 >/dev/null 2>&1 &", background=True, timeout=60, request_timeout=60
@@ -188,7 +196,7 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
             await runtime.snapshot(original, snap, stop=False)
             assert (snap.path / "memory.bin").stat().st_size > 1 << 20
             # The original keeps running and diverges; the restore must not see that.
-            sbx.files.write("/root/state.txt", "after snapshot\n", request_timeout=120)
+            sbx.files.write("/root/state.txt", "after snapshot\n", user="root", request_timeout=120)
             await runtime.kill(original)
             assert _host_leftovers(qemu_settings, original_id) == {}
             restored = await runtime.restore(SandboxSpec(sandbox_id=restored_id, template=base), snap)
@@ -197,7 +205,7 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
                 "cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60
             ).stdout
             assert after == before  # same kernel instance (no reboot), same process
-            assert rsbx.files.read("/root/state.txt", request_timeout=120) == "before snapshot\n"
+            assert rsbx.files.read("/root/state.txt", user="root", request_timeout=120) == "before snapshot\n"
             await _freeze_and_thaw(runtime, restored, before=before)
             restored = await _pause_and_resume(runtime, restored, base, parent=snap, before=before)
         finally:
