@@ -117,21 +117,26 @@ def parse_pairs(pairs: list[str] | None, what: str = "--metadata") -> dict[str, 
     return out
 
 
-def delete_templates(template_ids: list[str]) -> None:
-    """``DELETE /templates/{id}`` for each (in E2B a snapshot is a template too), one line per id;
-    exit 1 if any could not be deleted."""
+def delete_each(api: Api, collection: str, ids: list[str], done: str) -> None:
+    """``DELETE /{collection}/{id}`` for each id, a line each (``<done> <id>`` or ``error: <id>:
+    <message>``); exit 1 if any failed."""
     failed = 0
-    with reported(), Api() as api:
-        for template_id in template_ids:
-            try:
-                api.request("DELETE", f"/templates/{template_id}")
-            except CliError as exc:
-                failed += 1
-                typer.echo(f"error: {template_id}: {exc.message}", err=True)
-            else:
-                typer.echo(f"deleted {template_id}")
+    for item in ids:
+        try:
+            api.request("DELETE", f"/{collection}/{item}")
+        except CliError as exc:
+            failed += 1
+            typer.echo(f"error: {item}: {exc.message}", err=True)
+        else:
+            typer.echo(f"{done} {item}")
     if failed:
         raise typer.Exit(1)
+
+
+def delete_templates(template_ids: list[str]) -> None:
+    """``DELETE /templates/{id}`` for each (in E2B a snapshot is a template too)."""
+    with reported(), Api() as api:
+        delete_each(api, "templates", template_ids, "deleted")
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from agentenv.cli.client import Api, CliError, connection, fail, parse_pairs, reported
+from agentenv.cli.client import Api, CliError, connection, delete_each, fail, parse_pairs, reported
 
 app = typer.Typer(help="See and steer sandboxes (E2B API: E2B_API_URL or E2B_DOMAIN, E2B_API_KEY).")
 STATES = ("running", "paused")
@@ -113,7 +113,6 @@ def kill(
     meta = parse_pairs(metadata)
     if not sandbox_ids and not meta:
         raise typer.BadParameter("name sandboxes to kill, or select them with --metadata k=v")
-    failed = 0
     with reported(), Api() as api:
         targets = list(dict.fromkeys(sandbox_ids or []))
         if meta:
@@ -121,16 +120,7 @@ def kill(
             targets = list(dict.fromkeys(targets))
             if not targets:
                 typer.echo("no sandboxes match", err=True)
-        for sid in targets:
-            try:
-                api.request("DELETE", f"/sandboxes/{sid}")
-            except CliError as exc:
-                failed += 1
-                typer.echo(f"error: {sid}: {exc.message}", err=True)
-            else:
-                typer.echo(f"killed {sid}")
-    if failed:
-        raise typer.Exit(1)
+        delete_each(api, "sandboxes", targets, "killed")
 
 
 def _print_entry(entry: dict[str, Any], as_json: bool) -> None:
