@@ -312,11 +312,13 @@ class FilesystemService:
         except OSError as exc:
             raise os_error_to_connect(exc, path) from None
 
-    async def watch_dir(
-        self, request: WatchDirRequest, ctx: RequestContext[WatchDirRequest, WatchDirResponse]
-    ) -> AsyncIterator[WatchDirResponse]:
+    def _watch_as_user(
+        self, request: WatchDirRequest | CreateWatcherRequest, ctx: RequestContext[Any, Any]
+    ) -> _Watch:
+        """Open the watch a WatchDir or CreateWatcher request asks for, with the request user's
+        rights (gVisor checks none when a watch is added: opening the directory as them does)."""
         path, user = self._path(request.path, ctx)
-        watch = as_user(
+        return as_user(
             user,
             self._open_watch,
             path,
@@ -324,6 +326,11 @@ class FilesystemService:
             request.include_entry,
             request.allow_network_mounts,
         )
+
+    async def watch_dir(
+        self, request: WatchDirRequest, ctx: RequestContext[WatchDirRequest, WatchDirResponse]
+    ) -> AsyncIterator[WatchDirResponse]:
+        watch = self._watch_as_user(request, ctx)
         try:
             started: Oneof[Literal["start"], WatchDirResponse.StartEvent] = Oneof(
                 "start", WatchDirResponse.StartEvent()
@@ -343,15 +350,7 @@ class FilesystemService:
     async def create_watcher(
         self, request: CreateWatcherRequest, ctx: RequestContext[CreateWatcherRequest, CreateWatcherResponse]
     ) -> CreateWatcherResponse:
-        path, user = self._path(request.path, ctx)
-        watch = as_user(
-            user,
-            self._open_watch,
-            path,
-            request.recursive,
-            request.include_entry,
-            request.allow_network_mounts,
-        )
+        watch = self._watch_as_user(request, ctx)
         watch.polled = True
         watcher_id = uuid.uuid4().hex
         self._watchers[watcher_id] = watch
