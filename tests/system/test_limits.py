@@ -27,6 +27,7 @@ from e2b.sandbox_sync.commands.command_handle import CommandHandle
 
 from tests.support import SHARED_TEMPLATES
 from tests.support.leaks import wait_no_host_resources
+from tests.support.procs import runsc_sandbox_pid
 from tests.support.server import ServerProcess, serve
 
 pytestmark = pytest.mark.requires_root("runsc sandboxes, their cgroups and loop-mounted disks")
@@ -214,20 +215,6 @@ def test_process_limits_fork_fails_with_eagain_inside(sbx: Sandbox) -> None:
 # -- death and streams -------------------------------------------------------------------------
 
 
-def _runsc_sandbox_pid(sandbox_id: str) -> int:
-    """The host pid of the sandbox's runsc sandbox process (the sentry)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].startswith(b"runsc-sandbox") and any(f"ae-{sandbox_id}".encode() == a for a in argv):
-            return int(entry.name)
-    raise AssertionError(f"no runsc sandbox process for {sandbox_id}")
-
-
 def _wait_in_thread(handle: CommandHandle) -> tuple[threading.Thread, dict[str, float | BaseException]]:
     """Wait for the command in a thread; the dict gets when (monotonic) and how it ended."""
     ended: dict[str, float | BaseException] = {}
@@ -252,7 +239,7 @@ def test_kill9_of_the_runsc_process_is_noticed_and_ends_its_stream(
     handle = sbx.commands.run("sleep 120", background=True)
     thread, ended = _wait_in_thread(handle)
     killed = time.monotonic()
-    os.kill(_runsc_sandbox_pid(sbx.sandbox_id), signal.SIGKILL)
+    os.kill(runsc_sandbox_pid(sbx.sandbox_id), signal.SIGKILL)
     thread.join(STREAM_END_SECONDS + 1)
     assert "at" in ended, "the command stream did not end"
     assert float(ended["at"]) - killed < STREAM_END_SECONDS  # type: ignore[arg-type]

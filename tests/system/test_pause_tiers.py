@@ -4,16 +4,19 @@ restores it; both tiers survive a server kill -9. The API shows both tiers as ``
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 import time
 from collections.abc import Iterator
 
 import pytest
-from e2b import Sandbox
+from e2b import NotFoundException, Sandbox
 
 from tests.support import base_template_missing
 from tests.support.counter import assert_state_continues, start_state
 from tests.support.leaks import wait_no_host_resources
+from tests.support.procs import runsc_sandbox_pid
 from tests.support.server import ServerProcess, kill_all_sandboxes, serve, start_server
 
 pytestmark = pytest.mark.requires_root("gVisor sandboxes, network namespaces")
@@ -121,6 +124,30 @@ def test_killing_a_frozen_sandbox_frees_everything(frozen_server: ServerProcess)
     assert tier(frozen_server, sbx.sandbox_id) == ("paused", "frozen")
     assert Sandbox.kill(sbx.sandbox_id, **opts) is True
     assert wait_no_host_resources(sbx.sandbox_id) == []
+
+
+def test_kill9_of_a_frozen_sandbox_is_noticed(frozen_server: ServerProcess) -> None:
+    """A frozen sandbox's processes live on, so they can die (a SIGKILL, the OOM killer; under
+    cgroup v1 the signal lands when they are thawed). Then its memory is lost: it is reported
+    gone, with its resources freed, at once (cgroup v2) or on the resume that thaws it (v1),
+    which fails with E2B's not-found rather than hanging or claiming success."""
+    opts = frozen_server.sdk_opts
+    sbx = Sandbox.create(timeout=300, **opts)
+    sbx.pause()
+    assert tier(frozen_server, sbx.sandbox_id) == ("paused", "frozen")
+    os.kill(runsc_sandbox_pid(sbx.sandbox_id), signal.SIGKILL)
+    time.sleep(1)
+    try:
+        gone_while_frozen = Sandbox.get_info(sbx.sandbox_id, **opts).state.value != "paused"
+    except NotFoundException:
+        gone_while_frozen = True
+    if not gone_while_frozen:  # cgroup v1: the kill waits for the thaw
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(sbx.sandbox_id, timeout=300, **opts)
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sbx.sandbox_id, **opts)
+    assert wait_no_host_resources(sbx.sandbox_id, timeout=5) == []
+    assert any("died" in m for m in log_messages(frozen_server, sbx.sandbox_id))
 
 
 def test_server_kill_9_with_sandboxes_in_every_tier_loses_and_leaks_nothing() -> None:

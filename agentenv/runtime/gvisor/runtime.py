@@ -382,7 +382,10 @@ class GvisorRuntime(Runtime):
         it runs, its OOM kills stay inside it (:class:`oom.Guard`, armed at every start)."""
         paths = self.paths(instance.sandbox_id)
         oom_kills = cgroups.oom_kills(instance.sandbox_id)
-        pid = watch.sentry_pid(paths.container_id, await self.runsc.sandbox_pid(paths.container_id))
+        if freezer.is_frozen(instance.sandbox_id):  # runsc state would hang on a frozen sentry
+            pid = await asyncio.to_thread(watch.find_sentry, paths.container_id)
+        else:
+            pid = watch.sentry_pid(paths.container_id, await self.runsc.sandbox_pid(paths.container_id))
         if pid is None:
             if await self.is_alive(instance):
                 return None  # runsc says running but names no process: cannot watch

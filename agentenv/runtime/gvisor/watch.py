@@ -28,6 +28,21 @@ def sentry_pid(container_id: str, pid: int | None) -> int | None:
     return pid if names_it and argv[0].startswith(b"runsc") else None
 
 
+def find_sentry(container_id: str) -> int | None:
+    """The pid of ``container_id``'s runsc sandbox process, found by its command line: for a
+    frozen sandbox, whose ``runsc state`` would hang on the frozen sentry."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].startswith(b"runsc-sandbox") and container_id.encode() in argv:
+            return int(entry.name)
+    return None
+
+
 async def wait_pid(pid: int) -> None:
     """Return once process ``pid`` has exited (at once when it is gone already)."""
     try:
