@@ -11,6 +11,7 @@ Imports nothing of the project.
 from __future__ import annotations
 
 import secrets
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +32,12 @@ class QemuSettings(BaseModel):
     qemu_path: str = "qemu-system-x86_64"
     #: ``auto``: KVM when /dev/kvm can boot guests, else TCG.
     accel: Literal["auto", "kvm", "tcg"] = "auto"
+    #: Guest RAM: ``file`` maps a file in the reflink pool (a snapshot reflinks it and saves only
+    #: device state; a restore maps a reflink clone); ``stream``: anonymous RAM migrated to and
+    #: from a file (the earlier path, kept selectable for the bench).
+    memory: Literal["file", "stream"] = "file"
+    #: QEMU processes kept started (``-incoming defer``) per VM shape, waiting for a restore.
+    prespawn: int = 2
 
 
 class FirecrackerSettings(BaseModel):
@@ -115,6 +122,9 @@ class Settings(BaseSettings):
     #: Where the responder forwards every other name (``address[:port]``); empty: the first
     #: nameserver of /etc/resolv.conf that is not the responder itself.
     dns_upstream: str = ""
+    #: ``address[:port]`` of the DNS server the egress proxy resolves domain-allowed names with
+    #: (``allow_out`` domains, agentenv/runtime/egress_proxy.py); empty: the host's resolver.
+    egress_resolver: str = ""
     #: Subnet sandboxes get their /30 links from (host side .1, sandbox side .2).
     sandbox_subnet: str = "10.213.0.0/16"
     default_timeout_seconds: int = 300
@@ -144,10 +154,42 @@ class Settings(BaseSettings):
     #: While the node has less memory available than this, the longest-frozen sandboxes are
     #: moved to disk, one at a time.
     pause_min_available_mib: int = 1024
+    #: The registry database (SQLAlchemy async URL). Empty: SQLite at ``db_path`` (single node);
+    #: a cluster shares one PostgreSQL: ``postgresql+asyncpg://user@host:port/db``.
+    database_url: str = ""
+    #: This node's name in the registry (every sandbox row carries its owner's). Empty: the host name.
+    node_id: str = ""
+    #: The URL gateways reach this node at (``agentenv node serve``); empty: ``http://{host}:{port}``.
+    node_url: str = ""
+    #: Shared HMAC secrets between gateways and nodes (agentenv/api/nodeauth.py): the first signs,
+    #: any verifies (rotate by listing two). Required by ``agentenv node serve`` and ``gateway``.
+    node_secrets: list[str] = []
+    #: How often a node writes its capacity into the registry's ``nodes`` row.
+    node_heartbeat_seconds: float = 5.0
+    #: A node whose heartbeat is older than this is marked lost by the gateways, its sandboxes killed.
+    node_lost_after_seconds: float = 30.0
+    #: The role this process serves in (set by the command, not by users): ``single`` (``serve``),
+    #: ``node`` (``node serve``) or ``gateway``.
+    role: Literal["single", "node", "gateway"] = "single"
 
     @property
     def db_path(self) -> Path:
         return self.data_dir / "agentenv.sqlite3"
+
+    @property
+    def registry_url(self) -> str:
+        """The registry's database URL: ``database_url``, else the node's SQLite file."""
+        return self.database_url or f"sqlite+aiosqlite:///{self.db_path}"
+
+    @property
+    def node_name(self) -> str:
+        """``node_id``, else the host name."""
+        return self.node_id or socket.gethostname()
+
+    @property
+    def node_address(self) -> str:
+        """``node_url``, else ``http://{host}:{port}`` (what gateways reach this node at)."""
+        return (self.node_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     @property
     def templates_dir(self) -> Path:

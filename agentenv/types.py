@@ -65,6 +65,11 @@ class EgressPolicy:
 
     allow_out: tuple[str, ...] = ()
     deny_out: tuple[str, ...] = ()
+    #: Domain rules of ``allowOut`` (``example.com``, ``*.example.com``, ``*``), lowercase:
+    #: matched on TLS SNI (port 443) and HTTP Host (port 80) by the node's egress proxy.
+    allow_domains: tuple[str, ...] = ()
+    #: Resolvers the sandbox may query (port 53) because ``allow_domains`` needs names resolved.
+    resolvers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def update_readme(summary: str) -> None:
         readme.write_text(pattern.sub(lambda m: m.group(1) + summary + m.group(2), text))
 
 
-BENCHMARKS = ("core", "lifecycle", "density", "runtimes", "s3", "rl")
+BENCHMARKS = ("core", "lifecycle", "density", "runtimes", "microvm", "s3", "rl", "cluster")
 
 
 def _optional(name: str) -> object | None:
@@ -176,6 +176,12 @@ def main() -> None:
         # runtimes starts a server per runtime: the URL and key arguments are not used.
         attempt("runtimes", lambda: runtimes.run("", "", args.runs))  # type: ignore[attr-defined]
 
+    if "microvm" in wanted:
+        from bench import microvm
+
+        # QEMU restore by mapped RAM vs streamed RAM, runtime level (its own data dir, no server).
+        attempt("microvm", lambda: microvm.run(args.runs))
+
     if "s3" in wanted:
         from bench import s3
 
@@ -186,6 +192,12 @@ def main() -> None:
 
         # rl starts its own server (production settings); its rollout count is its own setting.
         attempt("rl", lambda: rl.run(args.runs))
+
+    if "cluster" in wanted:
+        from bench import cluster
+
+        # A gateway and two nodes on PostgreSQL and moto S3: the gateway hop vs the node directly.
+        attempt("cluster", lambda: cluster.run(max(args.runs, 100)))
 
     # The summary covers every recorded benchmark, also those not re-run this time.
     recorded = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
   erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils gcc libc6-dev
-  skopeo umoci)
+  skopeo umoci postgresql-15)
 
 SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
 die() { echo "bootstrap: $*" >&2; exit 1; }

@@ -21,7 +21,7 @@ import pytest
 
 from tests.support import TESTS, leaks
 
-pytest_plugins = ["tests.support.fixtures"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.postgres"]
 
 
 def _pvm_requested() -> bool:

@@ -103,6 +103,10 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     # Inside the proxy: only control-plane requests (E2B's 16 MiB cap, limits.py).
     app.add_middleware(BodyLimit)
     app.add_middleware(_ProxyFactory, factory=make_proxy)
+    if settings.role == "node":  # cluster mode: only gateways, signed; heartbeats (api/node_role.py)
+        from agentenv.api import node_role
+
+        node_role.install(app, settings)
     return app
 
 

@@ -8,10 +8,12 @@ a secure sandbox and makes every port but envd's require ``e2b-traffic-access-to
 ``maskRequestHost`` (``${PORT}`` expanded) is the Host the sandbox sees. Enforcement is
 ``agentenv.runtime.network`` (the sandbox's egress chain) and ``agentenv.api.proxy`` (ingress).
 
-What this node cannot honour is refused with a 400 naming it, never silently ignored: domain
-names in ``allowOut`` and per-domain ``rules`` (E2B matches those in an egress proxy that reads
-TLS SNI and HTTP Host; there is none here), ``egressProxy`` (SOCKS5 tunnelling) and
-``httpsPorts``.
+Domain names (and ``*.`` wildcards) in ``allowOut`` are E2B's: they need ``ALL_TRAFFIC`` in
+``denyOut`` (or no internet access), are matched on TLS SNI (port 443) and HTTP Host (port 80) by
+the node's egress proxy (``agentenv.runtime.egress_proxy``), and open the resolvers
+(``dnsServers``, else the templates' own) on port 53. What this node cannot honour is refused
+with a 400 naming it, never silently ignored: per-domain ``rules`` (request transforms),
+``egressProxy`` (SOCKS5 tunnelling) and ``httpsPorts``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _refuse_unsupported(body: NetworkEgress) -> None:
     if body.rules:
         raise Invalid(
             "network.rules (per-domain request transforms) are not supported on this node: "
-            "it has no egress proxy"
+            "its egress proxy checks names, it does not rewrite requests"
         )
     if body.egress_proxy:
         raise Invalid("network.egressProxy (SOCKS5 tunnelling) is not supported on this node")
@@ -57,9 +59,11 @@ def _refuse_unsupported(body: NetworkEgress) -> None:
             raise Invalid(f"invalid DNS server {server!r}: expected an IPv4 address")
 
 
-def egress_of(body: NetworkEgress) -> EgressPolicy:
+def egress_of(body: NetworkEgress, *, internet_closed: bool = False) -> EgressPolicy:
     _refuse_unsupported(body)
-    return parse_egress(body.allow_out, body.deny_out)
+    return parse_egress(
+        body.allow_out, body.deny_out, dns_servers=body.dns_servers, internet_closed=internet_closed
+    )
 
 
 def check_mask(mask: str) -> str:
@@ -70,14 +74,14 @@ def check_mask(mask: str) -> str:
 
 
 def create_network(
-    network: SandboxNetworkConfig | None, *, secure: bool
+    network: SandboxNetworkConfig | None, *, secure: bool, internet_closed: bool = False
 ) -> tuple[EgressPolicy | None, dict[str, object]]:
     """A create's network: the policy to enforce and what the record keeps besides it."""
     if network is None:
         return None, {}
     if network.https_ports:
         raise Invalid("network.httpsPorts is not supported on this node (the proxy speaks HTTP to sandboxes)")
-    egress = egress_of(network)
+    egress = egress_of(network, internet_closed=internet_closed)
     if network.allow_public_traffic is False and not secure:
         raise Invalid(
             "You cannot create a sandbox without public access unless you enable secure envd "
@@ -93,7 +97,7 @@ def create_network(
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204)
 async def update_network(sandbox_id: str, body: SandboxNetworkUpdateConfig, orch: Orch) -> Response:
-    egress = egress_of(body)
+    egress = egress_of(body, internet_closed=body.allow_internet_access is False)
     await orch.update_network(
         normalise_sandbox_id(sandbox_id),
         egress=egress,

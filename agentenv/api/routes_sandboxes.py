@@ -99,7 +99,7 @@ def detail_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
             "domain": domain,
             "network": NetworkInfo(
                 allow_public_traffic=rec.traffic_access_token is None,
-                allow_out=list(rec.egress.allow_out if rec.egress else ()),
+                allow_out=[*rec.egress.allow_out, *rec.egress.allow_domains] if rec.egress else [],
                 deny_out=list(rec.egress.deny_out if rec.egress else ()),
                 mask_request_host=net.get("maskRequestHost"),
                 dns_servers=net.get("dnsServers"),
@@ -150,7 +150,7 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
         raise Invalid("autoResume cannot be combined with autoPauseMemory=false")
     network = body.network
     allow_internet = body.allow_internet_access
-    egress, kept = create_network(network, secure=secure)
+    egress, kept = create_network(network, secure=secure, internet_closed=allow_internet is False)
     return CreateRequest(
         template_id=body.template_id,
         timeout_seconds=timeout,

@@ -114,6 +114,22 @@ def _build_json(build: Build, info: TemplateInfo | None) -> dict[str, Any]:
     return body
 
 
+def _stored_build_json(meta: dict[str, Any], info: TemplateInfo) -> dict[str, Any]:
+    """A finished build from its ``template.json`` (the current or a kept one)."""
+    created = str(meta.get("created_at") or _iso(info.created_at))
+    return {
+        "buildID": str(meta.get("build_id") or info.build_id),
+        "status": "ready",
+        "createdAt": created,
+        "updatedAt": created,
+        "finishedAt": created,
+        "cpuCount": int(meta.get("vcpus", info.image.vcpus)),
+        "memoryMB": int(meta.get("memory_mb", info.image.memory_mb)),
+        "diskSizeMB": int(meta.get("disk_mb", info.image.disk_mb)),
+        "envdVersion": ENVD_VERSION,
+    }
+
+
 @router.get("/templates/{template_id}", dependencies=AUTH)
 async def get_template(request: Request, template_id: str) -> JSONResponse:
     """``TemplateWithBuilds``: the template, its current build and the builds this server ran."""
@@ -125,23 +141,13 @@ async def get_template(request: Request, template_id: str) -> JSONResponse:
     if info is None and not ran:
         raise NotFound(f"template '{template_id}' not found")
     builds = [_build_json(b, info) for b in ran]
-    if info is not None and all(b.build_id != info.build_id for b in ran):
-        img = info.image
-        created = _iso(info.created_at)
-        builds.insert(
-            0,
-            {
-                "buildID": info.build_id,
-                "status": "ready",
-                "createdAt": created,
-                "updatedAt": created,
-                "finishedAt": created,
-                "cpuCount": img.vcpus,
-                "memoryMB": img.memory_mb,
-                "diskSizeMB": img.disk_mb,
-                "envdVersion": ENVD_VERSION,
-            },
-        )
+    if info is not None:
+        tid, settings = info.image.template_id, _settings(request)
+        stored = [*storage.kept_builds(tid, settings), storage.read_metadata(tid, settings)]
+        known = {b.build_id for b in ran}
+        for meta in reversed(stored):  # the builds a restarted server knows from disk
+            if meta.get("build_id", info.build_id) not in known:
+                builds.insert(0, _stored_build_json(meta, info))
     name = info.image.template_id if info else ran[0].template_id
     created = _iso(info.created_at) if info else _iso(ran[0].created_at)
     return JSONResponse(
@@ -207,7 +213,17 @@ def build_spec(body: TemplateBuildStartV2) -> BuildSpec:
     return BuildSpec(
         from_template=body.from_template,
         from_image=body.from_image,
-        registry=RegistryAuth(reg.type, reg.username, reg.password) if reg else None,
+        registry=RegistryAuth(
+            reg.type,
+            reg.username,
+            reg.password,
+            reg.aws_access_key_id,
+            reg.aws_secret_access_key,
+            reg.aws_region,
+            reg.service_account_json,
+        )
+        if reg
+        else None,
         steps=[BuildStep(s.type, list(s.args), s.files_hash, s.force) for s in body.steps],
         start_cmd=body.start_cmd,
         ready_cmd=body.ready_cmd,

@@ -58,7 +58,7 @@ class NetworkEgress(_Request):
 
     allow_out: list[str] | None = Field(None, alias="allowOut")
     deny_out: list[str] | None = Field(None, alias="denyOut")
-    #: Only opens the firewall for resolvers when ``allowOut`` names domains (E2B): accepted, kept.
+    #: The resolvers (port 53) a sandbox whose ``allowOut`` names domains may query.
     dns_servers: list[str] | None = Field(None, alias="dnsServers", max_length=10)
     rules: dict[str, Any] | None = None
     egress_proxy: dict[str, Any] | None = Field(None, alias="egressProxy")
@@ -225,9 +225,15 @@ class TemplateStep(_Request):
 
 
 class FromImageRegistry(_Request):
+    """``GeneralRegistry`` / ``AWSRegistry`` / ``GCPRegistry`` (one shape, by ``type``)."""
+
     type: str
     username: str | None = None
     password: str | None = None
+    aws_access_key_id: str | None = Field(default=None, alias="awsAccessKeyId")
+    aws_secret_access_key: str | None = Field(default=None, alias="awsSecretAccessKey")
+    aws_region: str | None = Field(default=None, alias="awsRegion")
+    service_account_json: str | None = Field(default=None, alias="serviceAccountJson")
 
 
 class TemplateBuildStartV2(_Request):

@@ -35,7 +35,8 @@ def connection_help(settings: Settings) -> str:
     )
 
 
-def run(host: str | None = None, port: int | None = None) -> None:
+def run(host: str | None = None, port: int | None = None, role: str = "single") -> None:
+    """Serve ``role``: ``single`` (``agentenv serve``) or ``node`` (``agentenv node serve``)."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -47,8 +48,14 @@ def run(host: str | None = None, port: int | None = None) -> None:
         updates["host"] = host
     if port:
         updates["port"] = port
+    if role != "single":
+        updates["role"] = role
     if updates:
         settings = settings.model_copy(update=updates)
+    if settings.role == "node":
+        from agentenv.api.node_role import require_cluster_settings
+
+        require_cluster_settings(settings, "agentenv node serve")
 
     runtime, reasons = select_runtime(settings)
     problem = runtime.probe()
@@ -66,6 +73,10 @@ def run(host: str | None = None, port: int | None = None) -> None:
         app.state.public_domain = tls.public_domain(settings)
     # Printed on stdout (logs go to stderr) so a script can capture exactly these lines.
     print(f"agentenv listening on http://{settings.host}:{settings.port}", flush=True)
+    if settings.role == "node":
+        print(f"cluster node {settings.node_name}: gateways reach it at {settings.node_address}", flush=True)
+        asyncio.run(_serve(app, settings, tls_socket, tls_files))
+        return
     print(f"API key: {settings.effective_api_keys()[0]}", flush=True)
     print("Point the E2B SDKs here with:", flush=True)
     print(connection_help(settings), flush=True)

@@ -26,5 +26,21 @@ def serve(
     run(host=host, port=port)
 
 
+@app.command()
+def gateway(
+    host: str = typer.Option(None, help="Address to listen on (default 127.0.0.1)."),
+    port: int = typer.Option(None, help="Port to listen on (default 3000)."),
+) -> None:
+    """Serve a cluster's E2B API and envd traffic, forwarding to its nodes (docs/CLUSTER.md)."""
+    from agentenv.errors import Invalid
+    from agentenv.gateway.server import run
+
+    try:
+        run(host=host, port=port)
+    except Invalid as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+
+
 if __name__ == "__main__":
     app()

@@ -1,5 +1,6 @@
 """``agentenv node status``: what a node has and runs, from ``GET /node`` (our JSON extension);
-against a server without it (a gateway) from ``GET /metrics`` (Prometheus text) alone."""
+against a server without it from ``GET /metrics`` (Prometheus text) alone. ``agentenv node serve``:
+run this host as a cluster node (docs/CLUSTER.md; the only command here that starts a server)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,20 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print the JSON.")
         typer.echo(json.dumps(data, indent=2))
         return
     _print(data)
+
+
+@app.command("serve")
+def serve(
+    host: str = typer.Option(None, help="Address to listen on (default 127.0.0.1)."),
+    port: int = typer.Option(None, help="Port to listen on (default 3000)."),
+) -> None:
+    """Run this host's sandboxes as a cluster node: the shared registry (AGENTENV_DATABASE_URL),
+    heartbeats, and only requests signed by a gateway (AGENTENV_NODE_SECRETS)."""
+    from agentenv.api.server import run  # the web stack only when serving
+    from agentenv.errors import Invalid
+
+    try:
+        run(host=host, port=port, role="node")
+    except Invalid as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None

@@ -14,17 +14,25 @@ Steps are numbered as the SDK numbers its stack traces: ``base`` for the ``from_
 ... for the instructions, ``finalize`` for the start and ready commands. A failure's
 ``reason.step`` names the step and its message carries the step's last output.
 
-Build state lives in memory (a restarted server knows only the finished current build of each
-template, from ``template.json``). Uploaded archives are kept by their hash under
+Step cache (E2B's layers): every step has a key chained from the previous one's
+(:func:`step_keys`); a build whose leading steps some finished build ended with starts its build
+sandbox on that build's root and logs those steps ``CACHED``; all of them cached, the root is a
+hard-linked copy (:func:`agentenv.storage.templates.share_layer`). ``force`` (the SDK's
+``skip_cache``) runs its step and every later one.
+
+Build state lives in memory (a restarted server knows the finished builds a template keeps,
+from their ``template.json``). Uploaded archives are kept by their hash under
 ``{data_dir}/build-files/`` and reused by later builds (``present: true``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import hashlib
 import hmac
+import json
 import logging
 import re
 import secrets
@@ -75,9 +83,20 @@ class BuildStep:
 
 @dataclass(frozen=True)
 class RegistryAuth:
+    """``fromImageRegistry``: ``registry`` (username, password), ``aws`` (ECR: an access key
+    exchanged for a registry token) or ``gcp`` (a service account's JSON key). Used for the
+    pull only: never logged, never written past the build."""
+
     type: str
     username: str | None = None
     password: str | None = None
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+    aws_region: str | None = None
+    service_account_json: str | None = None
+
+    def __repr__(self) -> str:  # a stray log of the spec shows no secret
+        return f"RegistryAuth(type={self.type!r})"
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,26 @@ class _Context:
     envs: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _CacheHit:
+    """The first ``steps`` steps are cached: a finished build's root of that key, its context."""
+
+    steps: int
+    image: TemplateImage
+    ctx: _Context
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What the steps left for finalizing: the context, the last step's cache key, the cached
+    root when no step ran."""
+
+    ctx: _Context
+    layer_key: str | None
+    layer: Path | None
+    cached_steps: int
+
+
 class StepFailed(Failed):
     def __init__(self, message: str, step: str) -> None:
         super().__init__(message)
@@ -192,13 +231,17 @@ class TemplateBuilder:
         build = self._builds.get(build_id)
         if build is not None and build.template_id == template_id:
             return build
-        try:  # a build finished before this server started: the template's current one
-            info = templates.load(template_id, self._settings)
-        except (templates.TemplateNotFound, storage.TemplateError):
-            info = None
-        if info is not None and info.build_id == build_id:
-            done = Build(template_id, build_id, [], info.image.vcpus, info.image.memory_mb, status="ready")
-            done.created_at = done.finished_at = info.created_at
+        try:  # a build finished before this server started: the current one or a kept one
+            meta = storage.build_metadata(template_id, build_id, self._settings)
+        except storage.TemplateError:
+            meta = None
+        if meta is not None:
+            vcpus, memory_mb = int(meta.get("vcpus", 2)), int(meta.get("memory_mb", 512))
+            done = Build(template_id, build_id, [], vcpus, memory_mb, status="ready")
+            created = meta.get("created_at")
+            if isinstance(created, str) and created:
+                done.created_at = dt.datetime.fromisoformat(created)
+            done.finished_at = done.created_at
             return done
         raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
 
@@ -234,11 +277,8 @@ class TemplateBuilder:
         """Refuse a spec the builder cannot run (``Invalid``), before anything starts."""
         if bool(spec.from_template) == bool(spec.from_image):
             raise Invalid("a build starts from exactly one of fromTemplate and fromImage")
-        if spec.registry is not None and spec.registry.type != "registry":
-            raise Invalid(
-                f"fromImageRegistry type '{spec.registry.type}' is not supported here "
-                "(AWS and GCP registries need their cloud's credentials exchange); use type 'registry'"
-            )
+        if spec.registry is not None:
+            _check_registry(spec.registry)
         for i, step in enumerate(spec.steps, 1):
             if step.type not in _STEP_TYPES:
                 raise Invalid(f"step {i}: unknown type '{step.type}' (known: {', '.join(_STEP_TYPES)})")
@@ -303,23 +343,27 @@ class TemplateBuilder:
         instance: SandboxInstance | None = None
         step = BASE_STEP
         try:
-            base, parent, ctx = await self._base(build, spec, staging)
-            runtime = self._runtimes.for_template(base)
-            sandbox = SandboxSpec(sandbox_id=new_sandbox_id(), template=base)
-            # The parent's snapshot is a fraction of a boot, but it has the parent's start command
-            # running: a build starts from the parent's files only (E2B's), so those boot.
-            if parent is not None and parent.start is None and self._snapshots is not None:
-                instance = await self._snapshots.sandbox_of(parent, runtime, sandbox)
+            keys = step_keys(self._base_key(spec), spec.steps)
+            hit = self._cached(build, spec, keys)
+            if hit is not None:
+                base, parent, ctx = self._limits(build, hit.image), None, hit.ctx
             else:
-                instance = await runtime.create(sandbox)
-            build.log(f"Build sandbox {instance.sandbox_id} started", step=BASE_STEP)
-            if spec.from_image:
+                base, parent, ctx = await self._base(build, spec, staging)
+            cached = hit.steps if hit is not None else 0
+            runtime = self._runtimes.for_template(base)
+            if cached < len(spec.steps) or spec.start_cmd or spec.ready_cmd:
+                instance = await self._build_sandbox(build, runtime, base, parent)
+            if spec.from_image and hit is None:
+                assert instance is not None
                 await self._provision(build, instance, base.rootfs)
-            for i, item in enumerate(spec.steps, 1):
+            for i, item in enumerate(spec.steps[cached:], cached + 1):
                 step = str(i)
+                assert instance is not None
                 await self._step(build, instance, base.rootfs, ctx, i, len(spec.steps), item)
             step = FINALIZE_STEP
-            await self._finalize(build, spec, runtime, instance, base, ctx, staging)
+            layer = hit.image.rootfs if hit is not None and cached == len(spec.steps) else None
+            out = _Outcome(ctx, keys[-1] if keys else None, layer, cached)
+            await self._finalize(build, spec, runtime, instance, base, out, staging)
         except Exception as exc:  # every failure ends the build, with its step and output
             failed_step = exc.step if isinstance(exc, StepFailed) else step
             message = exc.message if isinstance(exc, AgentenvError) else f"{type(exc).__name__}: {exc}"
@@ -342,6 +386,58 @@ class TemplateBuilder:
         build.reason = Reason(message=message, step=step, log_entries=entries)
         build.status = "error"
 
+    def _base_key(self, spec: BuildSpec) -> str | None:
+        """The step cache key of the build's start: the parent template's build, or the image
+        name (and registry kind). None: nothing to key on (the base step then fails)."""
+        if spec.from_template:
+            try:
+                parent = templates.load(spec.from_template, self._settings)
+            except (templates.TemplateNotFound, storage.TemplateError):
+                return None
+            return _digest(["template", parent.image.template_id, parent.build_id])
+        return _digest(["image", spec.from_image, *_registry_identity(spec.registry)])
+
+    def _cached(self, build: Build, spec: BuildSpec, keys: list[str]) -> _CacheHit | None:
+        """The longest run of leading steps a finished build already has a root of (none with
+        ``force``, and none from the first step with ``force`` on: the SDK's ``skip_cache``)."""
+        if spec.force or not keys:
+            return None
+        usable = next((i for i, s in enumerate(spec.steps) if s.force), len(spec.steps))
+        for count in range(usable, 0, -1):
+            found = storage.find_layer(keys[count - 1], self._settings)
+            if found is None:
+                continue
+            rootfs, meta = found
+            build.log(f"CACHED FROM {spec.from_template or spec.from_image}", step=BASE_STEP)
+            for i, item in enumerate(spec.steps[:count], 1):
+                build.log(f"CACHED {_step_line(i, len(spec.steps), item)}", step=str(i))
+            envs = meta.get("envs")
+            ctx = _Context(
+                str(meta.get("user") or SANDBOX_USER),
+                str(meta.get("workdir") or DEFAULT_WORKDIR),
+                {str(k): str(v) for k, v in envs.items()} if isinstance(envs, dict) else {},
+            )
+            image = TemplateImage(
+                template_id=f"{build.template_id}-build",
+                rootfs=rootfs,
+                disk_mb=int(meta.get("disk_mb", 4096)),
+            )
+            return _CacheHit(count, image, ctx)
+        return None
+
+    async def _build_sandbox(
+        self, build: Build, runtime: Runtime, base: TemplateImage, parent: templates.TemplateInfo | None
+    ) -> SandboxInstance:
+        sandbox = SandboxSpec(sandbox_id=new_sandbox_id(), template=base)
+        # The parent's snapshot is a fraction of a boot, but it has the parent's start command
+        # running: a build starts from the parent's files only (E2B's), so those boot.
+        if parent is not None and parent.start is None and self._snapshots is not None:
+            instance = await self._snapshots.sandbox_of(parent, runtime, sandbox)
+        else:
+            instance = await runtime.create(sandbox)
+        build.log(f"Build sandbox {instance.sandbox_id} started", step=BASE_STEP)
+        return instance
+
     async def _base(
         self, build: Build, spec: BuildSpec, staging: Path
     ) -> tuple[TemplateImage, templates.TemplateInfo | None, _Context]:
@@ -361,16 +457,16 @@ class TemplateBuilder:
             return self._limits(build, parent.image), parent, ctx
         assert spec.from_image is not None
         build.log(f"FROM {spec.from_image}", step=BASE_STEP)
-        auth = spec.registry
         rootfs = staging / "image-rootfs"
         try:
+            username, password = await asyncio.to_thread(registry_credentials, spec.registry)
             config = await asyncio.to_thread(
                 images.pull_image_rootfs,
                 spec.from_image,
                 rootfs,
                 staging / "pull",
-                username=auth.username if auth else None,
-                password=auth.password if auth else None,
+                username=username,
+                password=password,
             )
         except images.ImageError as exc:
             raise StepFailed(f"pulling image '{spec.from_image}' failed: {exc}", BASE_STEP) from None
@@ -454,7 +550,7 @@ class TemplateBuilder:
         item: BuildStep,
     ) -> None:
         step = str(index)
-        build.log(f"[builder {index}/{count}] {item.type} {' '.join(item.args)}".rstrip(), step=step)
+        build.log(_step_line(index, count, item), step=step)
         if item.type == "ENV":
             if len(item.args) % 2:
                 raise StepFailed("ENV needs pairs of name and value", step)
@@ -549,29 +645,36 @@ class TemplateBuilder:
         build: Build,
         spec: BuildSpec,
         runtime: Runtime,
-        instance: SandboxInstance,
+        instance: SandboxInstance | None,
         base: TemplateImage,
-        ctx: _Context,
+        out: _Outcome,
         staging: Path,
     ) -> None:
-        """Copy the root out, check the start command, publish the build, make its snapshot."""
+        """Copy the root out (or share the cached one), check the start command, publish the
+        build, make its snapshot."""
         build.log("Finalizing the template", step=FINALIZE_STEP)
-        await self._exec(
-            build,
-            instance,
-            base.rootfs,
-            "sync",
-            step=FINALIZE_STEP,
-            user="root",
-            cwd="/",
-            envs={},
-            what="flushing the file system",
-        )
+        ctx = out.ctx
         rootfs = staging / "rootfs"
         rootfs.mkdir()
-        await runtime.export_root(instance, rootfs)
+        if out.layer is not None:  # every step cached: the root is that build's, shared
+            await asyncio.to_thread(storage.share_layer, out.layer, rootfs)
+        else:
+            assert instance is not None
+            await self._exec(
+                build,
+                instance,
+                base.rootfs,
+                "sync",
+                step=FINALIZE_STEP,
+                user="root",
+                cwd="/",
+                envs={},
+                what="flushing the file system",
+            )
+            await runtime.export_root(instance, rootfs)
         start = templates.StartCommand(spec.start_cmd, spec.ready_cmd, ctx.user, ctx.workdir, dict(ctx.envs))
         if spec.start_cmd or spec.ready_cmd:
+            assert instance is not None
             build.log(
                 f"Start command: {spec.start_cmd or '-'}; ready command: {spec.ready_cmd or '-'}",
                 step=FINALIZE_STEP,
@@ -595,6 +698,8 @@ class TemplateBuilder:
             "workdir": ctx.workdir,
             "envs": ctx.envs,
             "warm_pool": True,
+            "layer_key": out.layer_key,
+            "cached_steps": out.cached_steps,
             "new_tags": build.tags,
         }
         await asyncio.to_thread(storage.publish_build, build.template_id, rootfs, meta, self._settings)
@@ -616,6 +721,93 @@ class TemplateBuilder:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
         await self._envd.close()
+
+
+def step_keys(base_key: str | None, steps: list[BuildStep]) -> list[str]:
+    """Each step's cache key, E2B's layer keys: a hash of the previous key (the first step's is
+    the base's), the step's type, arguments and files hash. The user, work dir and envs in effect
+    at a step follow from the base and the steps before it, so the chain covers them. No base
+    key (an unknown parent): no keys, nothing is cached."""
+    if base_key is None:
+        return []
+    keys: list[str] = []
+    previous = base_key
+    for item in steps:
+        previous = _digest([previous, item.type, *item.args, item.files_hash or ""])
+        keys.append(previous)
+    return keys
+
+
+def _digest(parts: list[str | None]) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def _step_line(index: int, count: int, item: BuildStep) -> str:
+    return f"[builder {index}/{count}] {item.type} {' '.join(item.args)}".rstrip()
+
+
+def _registry_identity(auth: RegistryAuth | None) -> list[str]:
+    """Who pulled the image (never the secret): a root pulled with one account's credentials is
+    not reused for a build that has none or another's."""
+    if auth is None:
+        return [""]
+    if auth.type == "gcp":
+        try:
+            email = json.loads(auth.service_account_json or "{}").get("client_email", "")
+        except (ValueError, AttributeError):
+            email = ""
+        return [auth.type, str(email)]
+    return [auth.type, auth.aws_access_key_id or auth.username or ""]
+
+
+def _check_registry(auth: RegistryAuth) -> None:
+    needed = {
+        "registry": ("username", "password"),
+        "aws": ("aws_access_key_id", "aws_secret_access_key", "aws_region"),
+        "gcp": ("service_account_json",),
+    }.get(auth.type)
+    if needed is None:
+        raise Invalid(f"fromImageRegistry type '{auth.type}' is unknown (registry, aws or gcp)")
+    missing = [name for name in needed if not getattr(auth, name)]
+    if missing:
+        raise Invalid(f"fromImageRegistry of type '{auth.type}' needs {', '.join(missing)}")
+    if auth.type == "gcp":
+        try:
+            json.loads(auth.service_account_json or "")
+        except ValueError:
+            raise Invalid("fromImageRegistry serviceAccountJson is not JSON") from None
+
+
+def registry_credentials(auth: RegistryAuth | None) -> tuple[str | None, str | None]:
+    """skopeo's username and password for a registry: as given (``registry``), Google's
+    ``_json_key`` with the service account's key (``gcp``), or the token ECR's
+    ``GetAuthorizationToken`` returns for the access key (``aws``; boto3, which honours
+    ``AWS_ENDPOINT_URL_ECR``)."""
+    if auth is None:
+        return None, None
+    if auth.type == "gcp":
+        return "_json_key", auth.service_account_json
+    if auth.type == "aws":
+        return _ecr_credentials(auth)
+    return auth.username, auth.password
+
+
+def _ecr_credentials(auth: RegistryAuth) -> tuple[str, str]:
+    import boto3  # only builds from ECR need it
+    import botocore.exceptions
+
+    client = boto3.client(
+        "ecr",
+        region_name=auth.aws_region,
+        aws_access_key_id=auth.aws_access_key_id,
+        aws_secret_access_key=auth.aws_secret_access_key,
+    )
+    try:
+        data = client.get_authorization_token()["authorizationData"][0]
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, LookupError) as exc:
+        raise images.ImageError(f"ECR refused the access key: {type(exc).__name__}") from None
+    username, _, password = base64.b64decode(data["authorizationToken"]).decode().partition(":")
+    return username, password
 
 
 def _owner(user: str) -> str:

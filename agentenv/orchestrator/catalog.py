@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiosqlite
-
 from agentenv.errors import Failed
 from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.runtime.base import Runtime
 from agentenv.storage import snapshots as storage
+from agentenv.storage.db import Registry
 from agentenv.storage.snapshots import SnapshotKind, SnapshotRow, SnapshotStore
 from agentenv.types import SandboxInstance, SnapshotRef, TemplateImage
 
@@ -106,8 +105,8 @@ class SnapshotCatalog:
         if durable is not None:
             durable.collect = lambda: self.collect_garbage(self._runtimes)
 
-    async def open(self, db: aiosqlite.Connection) -> None:
-        """Open on the registry's database connection (one SQLite file per node)."""
+    async def open(self, db: Registry) -> None:
+        """Open on the registry (the node's SQLite file, or a cluster's shared database)."""
         self._store = SnapshotStore(db, self._data_dir)
         await self._store.open()
         if self.durable is not None:
@@ -218,11 +217,11 @@ class SnapshotCatalog:
         already revived its parent from it)."""
         evicted = await self.durable.evicted() if self.durable is not None else set()
         removed = await self.store.sweep_incomplete(keep_without_dir=evicted)
-        for row in await self.rows("pause"):
+        for row in await self.store.rows(kind="pause", mine=True):  # others' are on their disks
             if paused.get(row.source_sandbox_id) != row.snapshot_id:
                 await self.delete(row.snapshot_id)
                 removed.append(row.snapshot_id)
-        for row in await self.rows("fork"):
+        for row in await self.store.rows(kind="fork", mine=True):
             await self.delete(row.snapshot_id)
             removed.append(row.snapshot_id)
         if self.durable is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -32,13 +33,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import aiosqlite
-
 from agentenv.config import S3Settings
 from agentenv.errors import Gone, Unavailable
 from agentenv.orchestrator.background import Background
 from agentenv.storage import snapshots as storage
 from agentenv.storage.atomic import fsync_path, write_json_atomic
+from agentenv.storage.db import Registry
 from agentenv.storage.layers import tree_bytes
 from agentenv.storage.objectstore import (
     Manifest,
@@ -142,7 +142,7 @@ class DurableSnapshots:
             raise RuntimeError("the snapshot catalog is not open")
         return self._store
 
-    async def open(self, db: aiosqlite.Connection, store: SnapshotStore) -> None:
+    async def open(self, db: Registry, store: SnapshotStore) -> None:
         self._copies = SnapshotCopies(db)
         self._store = store
         await self._copies.open()
@@ -161,7 +161,7 @@ class DurableSnapshots:
         uploads a restart cut short, and sweep the store of what crashed uploads left."""
         await asyncio.to_thread(shutil.rmtree, self.tmp_dir, True)
         known = {c.snapshot_id: c for c in await self.copies.all()}
-        for row in await self.store.rows():
+        for row in await self.store.rows(mine=True):  # other nodes' uploads are theirs
             if row.kind not in STORED_KINDS:
                 continue
             copy = known.pop(row.snapshot_id, None)
@@ -256,10 +256,16 @@ class DurableSnapshots:
             return None, None
         rootfs = Path(str(recorded))
         try:
-            build = template_build((rootfs.parent / "template.json").read_bytes())
+            meta = (rootfs.parent / "template.json").read_bytes()
         except OSError:
             return None, None
-        template_id = rootfs.parent.name
+        build = template_build(meta)
+        # The build's own record names its template: the directory is a build id since builds
+        # are kept (templates/<id>/builds/<build>/rootfs), the template's id before that.
+        try:
+            template_id = str(json.loads(meta).get("template_id") or rootfs.parent.name)
+        except (ValueError, AttributeError):
+            template_id = rootfs.parent.name
         key = f"templates/{template_id}-{build}.json" if self.settings.upload_templates else None
         return TemplateRef(template_id, build, key), rootfs
 
@@ -361,10 +367,18 @@ class DurableSnapshots:
             raise Unavailable(f"snapshot {sid} is not on this node and {exc.message}") from exc
         if manifest is None:
             raise Gone(f"snapshot {sid} is neither on this node nor in {self.objects.backend.location}")
+        if row.node_id not in ("", self.copies.db.node_id):  # taken on another node of a shared registry
+            rootfs = await asyncio.to_thread(self._local_template, manifest)
+            row = dataclasses.replace(row, info={**row.info, "template_rootfs": rootfs})
         started = time.monotonic()
         fetched = await asyncio.to_thread(self._fetch_sync, row, manifest)
         size = await asyncio.to_thread(tree_bytes, storage.final_path(self.data_dir, sid))
-        await self.copies.update(sid, cached=1, bytes=size)
+        if await self.copies.get(sid) is None:  # another node's snapshot (a shared registry)
+            await self.copies.put(
+                CopyRow(sid, "durable", True, size, time.time(), uploaded_at=manifest.uploaded_at)
+            )
+        else:
+            await self.copies.update(sid, cached=1, bytes=size)
         log.info(
             "fetched snapshot %s from the snapshot store: %d bytes in %.0f ms",
             sid,

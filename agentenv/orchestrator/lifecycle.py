@@ -65,6 +65,7 @@ from agentenv.orchestrator.telemetry import Telemetry
 from agentenv.orchestrator.template_snapshots import TemplateSnapshot, TemplateSnapshots
 from agentenv.orchestrator.timing import elapsed_ms, utcnow
 from agentenv.orchestrator.undo import Undo
+from agentenv.runtime import egress_proxy, network
 from agentenv.runtime.base import Runtime
 from agentenv.storage.objectstore import SnapshotObjects
 from agentenv.storage.snapshots import SnapshotKind, SnapshotRow
@@ -269,6 +270,8 @@ class Orchestrator:
         self._routes: dict[str, Route] = {}
         #: Per running sandbox, the task waiting for its processes to die (:meth:`_watch`).
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        #: The runtime's wait behind each watcher (its result: why the sandbox died, or None).
+        self._exits: dict[str, asyncio.Task[str | None]] = {}
         #: Called with a sandbox's id when it stops being reachable (kill, pause, death,
         #: snapshot): the API layer ends the streams its proxy has open to it.
         self._detach_listeners: list[Callable[[str], None]] = []
@@ -283,6 +286,8 @@ class Orchestrator:
     async def start(self) -> None:
         await self.store.open()
         await self.catalog.open(self.store.db)
+        # Before recovery: sandboxes that outlived the last run may have domain rules to serve.
+        await network.resume_egress_proxy(self.settings)
         await self._recover()
         paused = {r.sandbox_id: r.pause_snapshot or "" for r in await self.store.in_states((S.PAUSED,))}
         removed = await self.catalog.sweep(paused)
@@ -301,11 +306,13 @@ class Orchestrator:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        for watcher in self._watchers.values():  # the sandboxes run on; a restart re-watches
-            watcher.cancel()
-        self._watchers.clear()
+        for sandbox_id in list(self._watchers):  # the sandboxes run on; a restart re-watches
+            self._unwatch(sandbox_id)
         await self.background.drain(CLOSE_GRACE_SECONDS)
+        for runtime in self.runtimes:  # what runtimes keep ahead of demand (QEMU spares)
+            await runtime.stop_prestarted()
         await self.envd.close()
+        await egress_proxy.stop()
         await self.store.close()
 
     async def _recover(self) -> None:
@@ -344,10 +351,12 @@ class Orchestrator:
         alive = await self._is_alive(rec)
         if alive and rec.pause_tier == "frozen":
             log.info("recovery: paused sandbox %s is still frozen in place", rec.sandbox_id)
+            self._watch(rec)
             return
         if alive and await self._freeze(rec):  # a move to disk was cut short: it runs, thawed
             rec.pause_tier = "frozen"
             await self.store.save(rec)
+            self._watch(rec)
             log.info("recovery: paused sandbox %s frozen again in place", rec.sandbox_id)
             return
         committed = await self.catalog.rows("pause", source=rec.sandbox_id)
@@ -423,9 +432,7 @@ class Orchestrator:
     def _detach(self, sandbox_id: str) -> None:
         self._routes.pop(sandbox_id, None)
         self._metrics.pop(sandbox_id, None)
-        watcher = self._watchers.pop(sandbox_id, None)
-        if watcher is not None and watcher is not asyncio.current_task():
-            watcher.cancel()  # what stops the sandbox now is an operation of ours
+        self._unwatch(sandbox_id)
         for listener in self._detach_listeners:
             try:
                 listener(sandbox_id)
@@ -438,20 +445,30 @@ class Orchestrator:
 
     # -- dead-sandbox detection ----------------------------------------------------------------
 
+    def _unwatch(self, sandbox_id: str) -> None:
+        watcher = self._watchers.pop(sandbox_id, None)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()  # what stops the sandbox now is an operation of ours
+        exit_wait = self._exits.pop(sandbox_id, None)
+        if exit_wait is not None:
+            exit_wait.cancel()
+
     def _watch(self, rec: SandboxRecord) -> None:
-        """Wait (a pidfd or the like, not polling) for the running sandbox's processes to die.
-        Every operation that stops it on purpose detaches it first, which cancels the wait."""
+        """Wait (a pidfd or the like, not polling) for the processes of a running or frozen
+        sandbox to die. Every operation that stops it on purpose unwatches it first."""
         assert rec.instance is not None
-        old = self._watchers.pop(rec.sandbox_id, None)
-        if old is not None:
-            old.cancel()
+        self._unwatch(rec.sandbox_id)
+        exit_wait = asyncio.create_task(self._runtime(rec).wait_exit(rec.instance))
+        self._exits[rec.sandbox_id] = exit_wait
         self._watchers[rec.sandbox_id] = asyncio.create_task(
-            self._await_death(rec.sandbox_id, rec.instance), name=f"watch-{rec.sandbox_id}"
+            self._await_death(rec.sandbox_id, rec.instance, exit_wait), name=f"watch-{rec.sandbox_id}"
         )
 
-    async def _await_death(self, sandbox_id: str, instance: SandboxInstance) -> None:
+    async def _await_death(
+        self, sandbox_id: str, instance: SandboxInstance, exit_wait: asyncio.Task[str | None]
+    ) -> None:
         try:
-            reason = await self.runtimes.named(instance.runtime).wait_exit(instance)
+            reason = await exit_wait
         except Exception as exc:  # cannot watch: the sandbox is found dead on its next use
             log.warning("cannot watch sandbox %s for its death: %s", sandbox_id, exc)
             return
@@ -464,8 +481,10 @@ class Orchestrator:
         async with self._lock(sandbox_id):
             if self._watchers.get(sandbox_id) is asyncio.current_task():
                 del self._watchers[sandbox_id]
+                self._exits.pop(sandbox_id, None)
             rec = await self.store.get(sandbox_id)
-            if rec is None or rec.state != S.RUNNING or rec.instance != instance:
+            frozen = rec is not None and rec.state == S.PAUSED and rec.pause_tier == "frozen"
+            if rec is None or not (rec.state == S.RUNNING or frozen) or rec.instance != instance:
                 return  # an operation of ours replaced or stopped it meanwhile
             log.warning("sandbox %s died: %s", sandbox_id, reason)
             await self.logs.event(sandbox_id, "error", f"sandbox died: {reason}")
@@ -755,6 +774,25 @@ class Orchestrator:
             await self._destroy(rec, reason="killed by request")
         self.telemetry.observe("kill", "", time.monotonic() - started)
 
+    async def reap_killed_elsewhere(self) -> list[str]:
+        """Stop the sandboxes running here whose registry rows say killed: a gateway found this
+        node lost (cluster mode) while they ran on; the cluster already reports them gone.
+        (At start-up recovery needs nothing extra: a killed row is not re-attached, and
+        ``cleanup_orphans`` removes what no live row names.)"""
+        reaped = []
+        for sandbox_id in list(self._routes):
+            rec = await self.store.get(sandbox_id)
+            if rec is None or rec.state != S.KILLED:
+                continue
+            self._detach(sandbox_id)
+            instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
+            try:
+                await self._runtime(rec).kill(instance)
+            except Exception as exc:  # start-up's cleanup_orphans removes what is left
+                log.warning("reaping %s (killed while this node was lost) failed: %s", sandbox_id, exc)
+            reaped.append(sandbox_id)
+        return reaped
+
     async def node_metrics(self) -> bytes:
         """The node's metrics in Prometheus' text format (the API's ``/metrics``)."""
         return self.telemetry.exposition(await self.store.in_states((*LIVE_STATES, S.PAUSED)))
@@ -847,7 +885,7 @@ class Orchestrator:
                 sandbox_id,
                 "info",
                 "network policy updated",
-                allow_out=",".join(egress.allow_out),
+                allow_out=",".join([*egress.allow_out, *egress.allow_domains]),
                 deny_out=",".join(egress.deny_out),
                 internet="off" if allow_internet_access is False else "on",
             )
@@ -983,6 +1021,8 @@ class Orchestrator:
         rec.pause_tier = tier
         rec.paused_at = utcnow()
         await self._enter(rec, S.PAUSED)
+        if tier == "frozen":  # its processes live on, frozen: their death loses its memory
+            self._watch(rec)
         self.telemetry.observe("pause", tier, time.monotonic() - started)
         await self.logs.event(
             rec.sandbox_id,
@@ -1047,10 +1087,25 @@ class Orchestrator:
         return rec
 
     async def _thaw(self, rec: SandboxRecord) -> None:
-        """Let a frozen sandbox run again; ``/init`` sets its clock (a microVM's stood still)."""
+        """Let a frozen sandbox run again; ``/init`` sets its clock (a microVM's stood still).
+        Processes killed while frozen die as they thaw (cgroup v1 holds the signal until then):
+        ``/init`` races the runtime's death watch, so such a resume answers "not found" at once
+        instead of waiting out envd's start-up deadline."""
         assert rec.instance is not None
+        # Watched since the pause (or recovery): the wait holds the process already, which a
+        # wait started now could not, the process being gone by the time it looked.
+        death = self._exits.get(rec.sandbox_id)
         await self._runtime(rec).thaw(rec.instance)
-        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+        init = asyncio.ensure_future(self.envd.init(rec.instance, rec.envs, rec.envd_access_token))
+        if death is not None:
+            await asyncio.wait({init, death}, return_when=asyncio.FIRST_COMPLETED)
+            watched = death.done() and not death.cancelled() and death.exception() is None
+            reason = death.result() if watched else None
+            if reason is not None and not init.done():
+                init.cancel()
+                await self.logs.event(rec.sandbox_id, "error", f"sandbox died while paused: {reason}")
+                raise NotFound(f"sandbox {rec.sandbox_id} died while paused ({reason})")
+        await init
 
     # -- moving frozen sandboxes to disk -------------------------------------------------------
 
@@ -1086,6 +1141,7 @@ class Orchestrator:
                 started = time.monotonic()
                 rec.pause_tier = "moving"
                 await self.store.save(rec)
+                self._unwatch(sandbox_id)  # the checkpoint stops it on purpose
                 runtime = self._runtime(rec)
                 await runtime.thaw(rec.instance)  # a checkpoint needs a running sandbox
                 try:
@@ -1114,6 +1170,7 @@ class Orchestrator:
         if await self._is_alive(rec) and await self._freeze(rec):
             rec.pause_tier = "frozen"
             await self.store.save(rec)
+            self._watch(rec)
             return
         await self._destroy(
             rec, reason=f"moving the paused sandbox to disk failed and it did not survive: {exc}"
@@ -1356,7 +1413,7 @@ class Orchestrator:
 def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
     """The composition root: the lifecycle owner and its collaborators for one node."""
     runtimes = RuntimeSet(settings, runtime)
-    store = SandboxStore(settings.db_path)
+    store = SandboxStore.from_settings(settings)
     background = Background()
     catalog = SnapshotCatalog(
         settings.data_dir,

@@ -1,86 +1,44 @@
-"""The sandbox registry: one SQLite database (``settings.db_path``) accessed through aiosqlite.
+"""The sandbox registry: SQLAlchemy Core over the node's SQLite file (``settings.db_path``) or a
+cluster's shared PostgreSQL (``settings.database_url``); tables in :mod:`agentenv.storage.db.schema`.
 
-Tables:
-- ``sandboxes``: one row per sandbox ever created on this node (killed ones stay, so their logs
-  and ids remain answerable); ``instance`` holds the runtime's JSON state for re-attach/cleanup.
+- ``sandboxes``: one row per sandbox ever created (killed ones stay, so their logs and ids remain
+  answerable); ``instance`` holds the runtime's JSON state for re-attach/cleanup; ``node_id`` the
+  node that owns it. A node reads only its own rows (recovery, expiry, listing, ``get``); the
+  gateway lists across nodes (:meth:`SandboxStore.query_all`, :meth:`SandboxStore.get_any`).
 - ``sandbox_logs``: structured log lines per sandbox (orchestrator events, envd/runtime output).
 
-The snapshot catalog keeps its ``snapshots`` table in the same database. Columns added after a
-node's database was first made are added on open (:data:`ADDED_COLUMNS`).
+The snapshot catalog keeps its tables in the same database (:attr:`SandboxStore.db`). Opening
+the store migrates the schema to the newest revision (``agentenv/storage/db/migrations``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
+import socket
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
-import aiosqlite
-
-from agentenv.types import EgressPolicy, SandboxInstance, SandboxState
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sandboxes (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    sandbox_id TEXT NOT NULL UNIQUE,
-    template_id TEXT NOT NULL,
-    alias TEXT,
-    client_id TEXT NOT NULL,
-    metadata TEXT NOT NULL DEFAULT '{}',
-    envs TEXT NOT NULL DEFAULT '{}',
-    state TEXT NOT NULL,
-    started_at REAL NOT NULL,
-    end_at REAL NOT NULL,
-    cpu_count INTEGER NOT NULL,
-    memory_mb INTEGER NOT NULL,
-    disk_mb INTEGER NOT NULL,
-    runtime TEXT NOT NULL,
-    instance TEXT,
-    envd_version TEXT NOT NULL,
-    envd_access_token TEXT,
-    traffic_access_token TEXT,
-    allow_internet_access INTEGER,
-    auto_pause INTEGER NOT NULL DEFAULT 0,
-    auto_resume INTEGER NOT NULL DEFAULT 0,
-    network TEXT NOT NULL DEFAULT '{}',
-    origin TEXT NOT NULL DEFAULT 'boot',
-    restored_from TEXT,
-    pause_snapshot TEXT,
-    pause_tier TEXT,
-    paused_at REAL,
-    memory_base TEXT,
-    log_offsets TEXT NOT NULL DEFAULT '{}',
-    egress TEXT,
-    auto_pause_memory INTEGER NOT NULL DEFAULT 1
-);
-CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
-CREATE TABLE IF NOT EXISTS sandbox_logs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    sandbox_id TEXT NOT NULL,
-    ts REAL NOT NULL,
-    level TEXT NOT NULL,
-    message TEXT NOT NULL,
-    fields TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS sandbox_logs_sandbox ON sandbox_logs(sandbox_id, ts);
-"""
-
-#: Columns newer than the first schema: (name, SQL type and default), added to older databases.
-ADDED_COLUMNS = (
-    ("origin", "TEXT NOT NULL DEFAULT 'boot'"),
-    ("restored_from", "TEXT"),
-    ("pause_snapshot", "TEXT"),
-    ("pause_tier", "TEXT"),
-    ("paused_at", "REAL"),
-    ("memory_base", "TEXT"),
-    ("log_offsets", "TEXT NOT NULL DEFAULT '{}'"),
-    ("egress", "TEXT"),
-    ("auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Executable,
+    RowMapping,
+    Select,
+    bindparam,
+    insert,
+    select,
+    true,
+    tuple_,
+    update,
 )
+
+from agentenv.config import Settings
+from agentenv.storage.db import Registry, open_registry_at
+from agentenv.storage.db.schema import sandbox_logs, sandboxes
+from agentenv.types import EgressPolicy, SandboxInstance, SandboxState
 
 #: States in which a record still owns host resources (recovery re-attaches or cleans them).
 LIVE_STATES = (
@@ -157,76 +115,45 @@ class SandboxRecord:
     seq: int = 0
 
 
-_COLUMNS = (
-    "sandbox_id",
-    "template_id",
-    "alias",
-    "client_id",
-    "metadata",
-    "envs",
-    "state",
-    "started_at",
-    "end_at",
-    "cpu_count",
-    "memory_mb",
-    "disk_mb",
-    "runtime",
-    "instance",
-    "envd_version",
-    "envd_access_token",
-    "traffic_access_token",
-    "allow_internet_access",
-    "auto_pause",
-    "auto_resume",
-    "network",
-    "origin",
-    "restored_from",
-    "pause_snapshot",
-    "pause_tier",
-    "paused_at",
-    "memory_base",
-    "log_offsets",
-    "egress",
-    "auto_pause_memory",
-)
+def _to_row(rec: SandboxRecord) -> dict[str, Any]:
+    """Every column but ``seq`` and ``node_id`` (the store's own)."""
+    return {
+        "sandbox_id": rec.sandbox_id,
+        "template_id": rec.template_id,
+        "alias": rec.alias,
+        "client_id": rec.client_id,
+        "metadata": json.dumps(rec.metadata),
+        "envs": json.dumps(rec.envs),
+        "state": str(rec.state),
+        "started_at": _ts(rec.started_at),
+        "end_at": _ts(rec.end_at),
+        "cpu_count": rec.cpu_count,
+        "memory_mb": rec.memory_mb,
+        "disk_mb": rec.disk_mb,
+        "runtime": rec.runtime,
+        "instance": json.dumps(asdict(rec.instance)) if rec.instance else None,
+        "envd_version": rec.envd_version,
+        "envd_access_token": rec.envd_access_token,
+        "traffic_access_token": rec.traffic_access_token,
+        "allow_internet_access": None
+        if rec.allow_internet_access is None
+        else int(rec.allow_internet_access),
+        "auto_pause": int(rec.auto_pause),
+        "auto_resume": int(rec.auto_resume),
+        "network": json.dumps(rec.network),
+        "origin": rec.origin,
+        "restored_from": rec.restored_from,
+        "pause_snapshot": rec.pause_snapshot,
+        "pause_tier": rec.pause_tier,
+        "paused_at": _ts(rec.paused_at) if rec.paused_at else None,
+        "memory_base": rec.memory_base,
+        "log_offsets": json.dumps(rec.log_offsets),
+        "egress": json.dumps(asdict(rec.egress)) if rec.egress else None,
+        "auto_pause_memory": int(rec.auto_pause_memory),
+    }
 
 
-def _to_row(rec: SandboxRecord) -> tuple[Any, ...]:
-    return (
-        rec.sandbox_id,
-        rec.template_id,
-        rec.alias,
-        rec.client_id,
-        json.dumps(rec.metadata),
-        json.dumps(rec.envs),
-        rec.state,
-        _ts(rec.started_at),
-        _ts(rec.end_at),
-        rec.cpu_count,
-        rec.memory_mb,
-        rec.disk_mb,
-        rec.runtime,
-        json.dumps(asdict(rec.instance)) if rec.instance else None,
-        rec.envd_version,
-        rec.envd_access_token,
-        rec.traffic_access_token,
-        None if rec.allow_internet_access is None else int(rec.allow_internet_access),
-        int(rec.auto_pause),
-        int(rec.auto_resume),
-        json.dumps(rec.network),
-        rec.origin,
-        rec.restored_from,
-        rec.pause_snapshot,
-        rec.pause_tier,
-        _ts(rec.paused_at) if rec.paused_at else None,
-        rec.memory_base,
-        json.dumps(rec.log_offsets),
-        json.dumps(asdict(rec.egress)) if rec.egress else None,
-        int(rec.auto_pause_memory),
-    )
-
-
-def _from_row(row: aiosqlite.Row) -> SandboxRecord:
+def _from_row(row: RowMapping) -> SandboxRecord:
     instance = json.loads(row["instance"]) if row["instance"] else None
     aia = row["allow_internet_access"]
     return SandboxRecord(
@@ -268,7 +195,12 @@ def _egress(raw: str | None) -> EgressPolicy | None:
     if not raw:
         return None
     data = json.loads(raw)
-    return EgressPolicy(allow_out=tuple(data.get("allow_out", ())), deny_out=tuple(data.get("deny_out", ())))
+    return EgressPolicy(
+        allow_out=tuple(data.get("allow_out", ())),
+        deny_out=tuple(data.get("deny_out", ())),
+        allow_domains=tuple(data.get("allow_domains", ())),
+        resolvers=tuple(data.get("resolvers", ())),
+    )
 
 
 @dataclass(frozen=True)
@@ -291,158 +223,159 @@ class ListQuery:
     limit: int | None = None
 
 
-class SandboxStore:
-    """Async access to the registry. One connection; aiosqlite runs it on its own thread and
-    serialises statements, and a lock keeps multi-statement writes atomic."""
+# The hot path's statements, built once: values travel as execute() parameters, so a write
+# compiles nothing (SQLAlchemy's cache) and builds no expression per value.
+_INSERT = insert(sandboxes)
+#: ``UPDATE sandboxes SET <the parameters' columns> WHERE sandbox_id = :_sandbox_id``
+_SAVE = update(sandboxes).where(sandboxes.c.sandbox_id == bindparam("_sandbox_id"))
+_ADD_LOG = insert(sandbox_logs)
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._db: aiosqlite.Connection | None = None
-        self._write_lock = asyncio.Lock()
+
+class SandboxStore:
+    """Async access to the registry's sandboxes and their logs, as one node (``node_id``).
+
+    Every write is one transaction (:meth:`Registry.write`; on SQLite all of them run on the
+    registry's one thread, in order, as the single aiosqlite connection used to)."""
+
+    def __init__(self, path: Path, *, database_url: str = "", node_id: str = "") -> None:
+        self._url = database_url or f"sqlite+aiosqlite:///{path}"
+        self._shared = bool(database_url)
+        self.node_id = node_id or socket.gethostname()
+        self._registry: Registry | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SandboxStore:
+        return cls(settings.db_path, database_url=settings.database_url, node_id=settings.node_name)
 
     async def open(self) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self._path)
-        self._db.row_factory = aiosqlite.Row
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=NORMAL")
-        await self._db.executescript(SCHEMA)
-        await self._add_missing_columns()
-        await self._db.commit()
-        self._path.chmod(0o600)
-
-    async def _add_missing_columns(self) -> None:
-        async with self.db.execute("PRAGMA table_info(sandboxes)") as cur:
-            have = {r["name"] for r in await cur.fetchall()}
-        for name, decl in ADDED_COLUMNS:
-            if name not in have:
-                await self.db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
-        if "extra" in have and "pause_snapshot" not in have:
-            # Databases made before these were columns kept them in a free-form ``extra`` JSON: a
-            # paused sandbox's pause snapshot must survive the upgrade (start-up deletes unowned ones).
-            await self.db.execute(
-                "UPDATE sandboxes SET pause_snapshot = json_extract(extra, '$.pause_snapshot'),"
-                " restored_from = json_extract(extra, '$.restored_from'),"
-                " log_offsets = coalesce(json_extract(extra, '$.log_offsets'), '{}')"
-            )
-        if "pause_tier" not in have:  # every pause was a checkpoint before the frozen tier
-            await self.db.execute("UPDATE sandboxes SET pause_tier = 'disk' WHERE state = 'paused'")
+        self._registry = await open_registry_at(self._url, self.node_id, shared=self._shared)
 
     async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
+        if self._registry is not None:
+            await self._registry.close()
+            self._registry = None
 
     @property
-    def db(self) -> aiosqlite.Connection:
-        if self._db is None:
+    def db(self) -> Registry:
+        """The open registry (the snapshot catalog shares it)."""
+        if self._registry is None:
             raise RuntimeError("sandbox store is not open")
-        return self._db
+        return self._registry
+
+    async def _rows(self, stmt: Select[Any]) -> list[RowMapping]:
+        return await self.db.read(lambda conn: list(conn.execute(stmt).mappings()))
+
+    async def _write(
+        self, stmt: Executable, params: dict[str, Any] | list[dict[str, Any]]
+    ) -> CursorResult[Any]:
+        return await self.db.write(lambda conn: conn.execute(stmt, params))
+
+    def _mine(self) -> ColumnElement[bool]:
+        return sandboxes.c.node_id == self.node_id
 
     async def insert(self, rec: SandboxRecord) -> None:
-        placeholders = ", ".join("?" for _ in _COLUMNS)
-        async with self._write_lock:
-            cur = await self.db.execute(
-                f"INSERT INTO sandboxes ({', '.join(_COLUMNS)}) VALUES ({placeholders})", _to_row(rec)
-            )
-            await self.db.commit()
-            rec.seq = cur.lastrowid or 0
+        result = await self._write(_INSERT, {**_to_row(rec), "node_id": self.node_id})
+        key = result.inserted_primary_key
+        rec.seq = int(key[0]) if key else 0
 
     async def save(self, rec: SandboxRecord) -> None:
         """Write every field of ``rec`` back (the orchestrator holds the sandbox's lock)."""
-        assignments = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
         row = _to_row(rec)
-        async with self._write_lock:
-            await self.db.execute(
-                f"UPDATE sandboxes SET {assignments} WHERE sandbox_id = ?", (*row[1:], rec.sandbox_id)
-            )
-            await self.db.commit()
+        row["_sandbox_id"] = row.pop("sandbox_id")
+        await self._write(_SAVE, row)
 
     async def get(self, sandbox_id: str) -> SandboxRecord | None:
-        async with self.db.execute("SELECT * FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)) as cur:
-            row = await cur.fetchone()
-        return _from_row(row) if row else None
+        """This node's sandbox ``sandbox_id`` (None: unknown, or another node's)."""
+        rows = await self._rows(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id, self._mine()))
+        return _from_row(rows[0]) if rows else None
+
+    async def get_any(self, sandbox_id: str) -> SandboxRecord | None:
+        """The sandbox whichever node owns it (the gateway's look-up), with its owner."""
+        rows = await self._rows(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id))
+        return _from_row(rows[0]) if rows else None
+
+    async def owner(self, sandbox_id: str) -> str | None:
+        """The node that owns ``sandbox_id`` (None: no such sandbox)."""
+        stmt = select(sandboxes.c.node_id).where(sandboxes.c.sandbox_id == sandbox_id)
+        found = await self.db.read(lambda conn: conn.scalar(stmt))
+        return None if found is None else str(found)
 
     async def in_states(self, states: Iterable[SandboxState]) -> list[SandboxRecord]:
-        wanted = tuple(states)
-        marks = ", ".join("?" for _ in wanted)
-        async with self.db.execute(
-            f"SELECT * FROM sandboxes WHERE state IN ({marks}) ORDER BY seq", wanted
-        ) as cur:
-            return [_from_row(r) for r in await cur.fetchall()]
+        wanted = [str(s) for s in states]
+        stmt = select(sandboxes).where(sandboxes.c.state.in_(wanted), self._mine()).order_by(sandboxes.c.seq)
+        return [_from_row(r) for r in await self._rows(stmt)]
 
     async def expired(self, now: dt.datetime) -> list[str]:
-        async with self.db.execute(
-            "SELECT sandbox_id FROM sandboxes WHERE state = 'running' AND end_at <= ?", (_ts(now),)
-        ) as cur:
-            return [r["sandbox_id"] for r in await cur.fetchall()]
+        stmt = select(sandboxes.c.sandbox_id).where(
+            sandboxes.c.state == str(SandboxState.RUNNING), sandboxes.c.end_at <= _ts(now), self._mine()
+        )
+        return [r["sandbox_id"] for r in await self._rows(stmt)]
 
     async def query(self, query: ListQuery) -> list[SandboxRecord]:
-        """Sandboxes matching ``query`` ordered by start time (then creation order), filtered
-        by metadata in Python (it is a JSON column), paged by the ``after`` cursor."""
-        marks = ", ".join("?" for _ in query.states)
-        sql = f"SELECT * FROM sandboxes WHERE state IN ({marks})"
-        params: list[Any] = list(query.states)
+        """This node's sandboxes matching ``query`` ordered by start time (then creation order),
+        filtered by metadata in Python (it is a JSON column), paged by the ``after`` cursor."""
+        return await self._query(query, self._mine())
+
+    async def query_all(self, query: ListQuery) -> list[SandboxRecord]:
+        """:meth:`query` across every node (the gateway's ``GET /sandboxes``)."""
+        return await self._query(query, true())
+
+    async def _query(self, query: ListQuery, scope: ColumnElement[bool]) -> list[SandboxRecord]:
+        c = sandboxes.c
+        stmt = select(sandboxes).where(scope, c.state.in_([str(s) for s in query.states]))
         if query.template:
-            sql += " AND (template_id = ? OR alias = ?)"
-            params += [query.template, query.template]
+            stmt = stmt.where((c.template_id == query.template) | (c.alias == query.template))
         if query.started_after:
-            sql += " AND started_at >= ?"
-            params.append(_ts(query.started_after))
+            stmt = stmt.where(c.started_at >= _ts(query.started_after))
         if query.after:
-            op = ">" if query.ascending else "<"
-            sql += f" AND (started_at, seq) {op} (?, ?)"
-            params += list(query.after)
-        direction = "ASC" if query.ascending else "DESC"
-        sql += f" ORDER BY started_at {direction}, seq {direction}"
+            position, after = tuple_(c.started_at, c.seq), tuple_(*query.after)
+            stmt = stmt.where(position > after if query.ascending else position < after)
+        order = (c.started_at.asc(), c.seq.asc()) if query.ascending else (c.started_at.desc(), c.seq.desc())
+        stmt = stmt.order_by(*order)
+        if query.limit is not None and not query.metadata:
+            stmt = stmt.limit(query.limit + 1)  # one extra row tells the caller there is a next page
         out: list[SandboxRecord] = []
-        async with self.db.execute(sql, params) as cur:
-            async for row in cur:
-                rec = _from_row(row)
-                if all(rec.metadata.get(k) == v for k, v in query.metadata.items()):
-                    out.append(rec)
-                    if query.limit is not None and len(out) > query.limit:
-                        break  # one extra row tells the caller there is a next page
+        for row in await self._rows(stmt):
+            rec = _from_row(row)
+            if all(rec.metadata.get(k) == v for k, v in query.metadata.items()):
+                out.append(rec)
+                if query.limit is not None and len(out) > query.limit:
+                    break
         return out
 
     async def add_log(self, sandbox_id: str, level: str, message: str, **fields: str) -> None:
-        async with self._write_lock:
-            await self.db.execute(
-                "INSERT INTO sandbox_logs (sandbox_id, ts, level, message, fields) VALUES (?, ?, ?, ?, ?)",
-                (sandbox_id, dt.datetime.now(dt.UTC).timestamp(), level, message, json.dumps(fields)),
-            )
-            await self.db.commit()
+        await self.add_logs(sandbox_id, [(level, message, fields)])
 
     async def add_logs(self, sandbox_id: str, lines: list[tuple[str, str, dict[str, str]]]) -> None:
         """Store several ``(level, message, fields)`` lines at once."""
+        if not lines:
+            return
         now = dt.datetime.now(dt.UTC).timestamp()
-        async with self._write_lock:
-            await self.db.executemany(
-                "INSERT INTO sandbox_logs (sandbox_id, ts, level, message, fields) VALUES (?, ?, ?, ?, ?)",
-                [(sandbox_id, now, level, msg, json.dumps(fields)) for level, msg, fields in lines],
-            )
-            await self.db.commit()
+        rows = [
+            {
+                "sandbox_id": sandbox_id,
+                "ts": now,
+                "level": level,
+                "message": msg,
+                "fields": json.dumps(fields),
+            }
+            for level, msg, fields in lines
+        ]
+        await self._write(_ADD_LOG, rows)
 
     async def set_log_offsets(self, sandbox_id: str, offsets: dict[str, int]) -> None:
         """Record how far the runtime log files were collected, without rewriting the record."""
-        async with self._write_lock:
-            await self.db.execute(
-                "UPDATE sandboxes SET log_offsets = ? WHERE sandbox_id = ?", (json.dumps(offsets), sandbox_id)
-            )
-            await self.db.commit()
+        await self._write(_SAVE, {"_sandbox_id": sandbox_id, "log_offsets": json.dumps(offsets)})
 
     async def logs(
         self, sandbox_id: str, *, start: dt.datetime | None, limit: int, ascending: bool = True
     ) -> list[LogLine]:
-        sql = "SELECT ts, level, message, fields FROM sandbox_logs WHERE sandbox_id = ?"
-        params: list[Any] = [sandbox_id]
+        c = sandbox_logs.c
+        stmt = select(c.ts, c.level, c.message, c.fields).where(c.sandbox_id == sandbox_id)
         if start is not None:
-            sql += " AND ts >= ?" if ascending else " AND ts <= ?"
-            params.append(_ts(start))
-        sql += f" ORDER BY id {'ASC' if ascending else 'DESC'} LIMIT ?"
-        params.append(limit)
-        async with self.db.execute(sql, params) as cur:
-            return [
-                LogLine(_dt(r["ts"]), r["level"], r["message"], json.loads(r["fields"]))
-                for r in await cur.fetchall()
-            ]
+            stmt = stmt.where(c.ts >= _ts(start) if ascending else c.ts <= _ts(start))
+        stmt = stmt.order_by(c.id.asc() if ascending else c.id.desc()).limit(limit)
+        return [
+            LogLine(_dt(r["ts"]), r["level"], r["message"], json.loads(r["fields"]))
+            for r in await self._rows(stmt)
+        ]

@@ -77,6 +77,11 @@ class Runtime(abc.ABC):
         The lifecycle cancels the wait before it stops the sandbox itself."""
         return None
 
+    async def stop_prestarted(self) -> None:
+        """Stop what the runtime keeps started ahead of demand (node shutdown); sandboxes keep
+        running. The default has nothing to stop."""
+        return None
+
     @abc.abstractmethod
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove resources of sandboxes not in ``keep`` (crash recovery); return their ids."""

@@ -33,6 +33,13 @@ order; the first match decides):
 4. everything else: accepted with internet access, dropped without (``allow_internet_access=False``
    is ``deny_out=["0.0.0.0/0"]``, so ``allow_out`` still opens its exceptions).
 
+Domain rules (``allow_out`` names, :mod:`agentenv.runtime.egress_proxy`): a nat chain
+``AEP-aeh<slot>`` (from PREROUTING via ``AGENTENV-PRE``) redirects the sandbox's new TCP
+connections to ports 80 and 443 that no ``allow_out`` network covers to the node's egress proxy,
+which matches their TLS SNI or HTTP Host; the filter chain lets a sandbox into the host only for
+those redirected connections. The resolvers (port 53) are opened in the egress chain, after
+``allow_out``. The proxy learns the policy from ``{data_dir}/net/domains-<slot>.json``.
+
 E2B drops private ranges even when ``allow_out`` names them; here an explicit ``allow_out`` opens
 them (a sandbox may be meant to reach a private service), which is our extension. The host itself
 and other sandboxes stay closed whatever the policy says (they are dropped before the chain).
@@ -80,6 +87,7 @@ import psutil
 
 from agentenv.config import Settings
 from agentenv.errors import Failed, Invalid, Unavailable
+from agentenv.runtime import egress_proxy
 from agentenv.storage.atomic import exclusive
 from agentenv.types import EgressPolicy
 
@@ -87,8 +95,22 @@ NETNS_PREFIX = "ae-"
 HOST_IF_PREFIX = "aeh"
 SANDBOX_IF_PREFIX = "aes"
 CHAIN = "AGENTENV"
+#: nat chain hooked into PREROUTING for traffic from sandboxes: the jumps to their redirects.
+PRE_CHAIN = "AGENTENV-PRE"
 #: Per-sandbox egress chains are named by the host interface (unique on the host, unlike slots).
 EGRESS_CHAIN_PREFIX = "AEO-"
+#: Per-sandbox nat chains sending domain-checked ports (80, 443) to the egress proxy.
+REDIRECT_CHAIN_PREFIX = "AEP-"
+#: Ports whose connections carry a name the egress proxy can check (HTTP Host, TLS SNI), as E2B.
+DOMAIN_PORTS = (egress_proxy.HTTP_PORT, egress_proxy.TLS_PORT)
+#: Resolvers a sandbox with domain rules may query when the request names none: those of the
+#: templates' /etc/resolv.conf (agentenv/storage/templates.py); E2B opens 8.8.8.8.
+DEFAULT_RESOLVERS = ("1.1.1.1", "8.8.8.8")
+#: E2B's message when ``allowOut`` names domains and ``denyOut`` lacks ``0.0.0.0/0``.
+DOMAINS_NEED_BLOCK_ALL = (
+    "When specifying allowed domains in allow out, you must include 'ALL_TRAFFIC' in deny out "
+    "to block all other traffic."
+)
 #: What a sandbox with internet access may not reach unless its ``allow_out`` names it.
 DEFAULT_DENIED = ("169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
 #: ``allowOut``/``denyOut`` entries per list (each is one rule every new connection walks).
@@ -155,7 +177,9 @@ def slot_count(settings: Settings) -> int:
 
 
 def _network_of(entry: object, field: str) -> str:
-    """``entry`` (an IPv4 address or CIDR block, host bits allowed as in E2B) as ``a.b.c.d/n``."""
+    """``entry`` (an IPv4 address or CIDR block, host bits allowed as in E2B) as ``a.b.c.d/n``;
+    in ``allowOut`` a domain rule (``example.com``, ``*.example.com``, ``*``) comes back as
+    ``domain:<rule>``."""
     if not isinstance(entry, str) or not entry.strip():
         raise Invalid(f"invalid {field} entry {entry!r}: expected an IPv4 address or CIDR block")
     text = entry.strip()
@@ -164,27 +188,44 @@ def _network_of(entry: object, field: str) -> str:
     except ValueError:
         if field == "denyOut":
             raise Invalid(f"invalid denied CIDR {text}") from None
-        # A name's last label has a letter (``10.0.0.300`` is a bad address, not a domain).
-        if re.fullmatch(r"(\*\.)?([A-Za-z0-9-]+\.)*[A-Za-z0-9-]*[A-Za-z][A-Za-z0-9-]*\.?", text):
-            raise Invalid(
-                f"domain names in allowOut ({text}) are not supported on this node: "
-                "use IPv4 addresses or CIDR blocks"
-            ) from None
-        raise Invalid(f"invalid allowOut entry {text!r}: expected an IPv4 address or CIDR block") from None
+        rule = egress_proxy.normalise_rule(text)
+        if rule is not None:
+            return "domain:" + rule
+        raise Invalid(
+            f"invalid allowOut entry {text!r}: expected an IPv4 address, CIDR block or domain name"
+        ) from None
     if net.version != 4:
         raise Invalid(f"invalid {field} entry {text}: sandboxes have IPv4 only")
     return str(net)
 
 
-def parse_egress(allow_out: list[str] | None, deny_out: list[str] | None) -> EgressPolicy:
-    """E2B's ``allowOut``/``denyOut`` as a policy; :class:`Invalid` names the first bad entry."""
+def parse_egress(
+    allow_out: list[str] | None,
+    deny_out: list[str] | None,
+    *,
+    dns_servers: list[str] | None = None,
+    internet_closed: bool = False,
+) -> EgressPolicy:
+    """E2B's ``allowOut``/``denyOut`` as a policy; :class:`Invalid` names the first bad entry.
+
+    Domain rules need every other destination closed (E2B: ``ALL_TRAFFIC`` in ``denyOut``; here
+    ``allow_internet_access=False``, ``internet_closed``, says the same) and open the resolvers
+    (``dns_servers``, else :data:`DEFAULT_RESOLVERS`) on port 53 so that names resolve."""
     lists = {"allowOut": allow_out or [], "denyOut": deny_out or []}
     for field, entries in lists.items():
         if len(entries) > MAX_POLICY_ENTRIES:
             raise Invalid(f"{field} has {len(entries)} entries; at most {MAX_POLICY_ENTRIES} are allowed")
+    allowed = list(dict.fromkeys(_network_of(e, "allowOut") for e in lists["allowOut"]))
+    denied = tuple(dict.fromkeys(_network_of(e, "denyOut") for e in lists["denyOut"]))
+    domains = tuple(a.removeprefix("domain:") for a in allowed if a.startswith("domain:"))
+    if domains and "0.0.0.0/0" not in denied and not internet_closed:
+        raise Invalid(DOMAINS_NEED_BLOCK_ALL)
+    resolvers = tuple(dns_servers or DEFAULT_RESOLVERS) if domains else ()
     return EgressPolicy(
-        allow_out=tuple(dict.fromkeys(_network_of(e, "allowOut") for e in lists["allowOut"])),
-        deny_out=tuple(dict.fromkeys(_network_of(e, "denyOut") for e in lists["denyOut"])),
+        allow_out=tuple(a for a in allowed if not a.startswith("domain:")),
+        deny_out=denied,
+        allow_domains=domains,
+        resolvers=tuple(dict.fromkeys(resolvers)),
     )
 
 
@@ -214,6 +255,11 @@ def egress_rules(allow_internet_access: bool, policy: EgressPolicy | None) -> li
     policy = policy or EgressPolicy()
     denied = dict.fromkeys([*DEFAULT_DENIED, *node_networks(), *policy.deny_out])
     rules = [["-d", cidr, "-j", "ACCEPT"] for cidr in policy.allow_out]
+    rules += [
+        ["-d", f"{server}/32", "-p", proto, "--dport", "53", "-j", "ACCEPT"]
+        for server in policy.resolvers
+        for proto in ("udp", "tcp")
+    ]
     rules += [["-d", cidr, "-j", "DROP"] for cidr in denied]
     rules.append(["-j", "ACCEPT" if allow_internet_access else "DROP"])
     return rules
@@ -225,6 +271,68 @@ def _egress_lines(net: SandboxNetwork, allow_internet_access: bool, policy: Egre
     return [f":{chain} - [0:0]"] + [
         " ".join(["-A", chain, *rule]) for rule in egress_rules(allow_internet_access, policy)
     ]
+
+
+def redirect_chain(net: SandboxNetwork) -> str:
+    return REDIRECT_CHAIN_PREFIX + net.host_if
+
+
+def redirect_rules(subnet: str, policy: EgressPolicy | None, proxy_port: int) -> list[list[str]]:
+    """The rules of a sandbox's nat redirect chain: with domain rules, new TCP connections to
+    ports 80 and 443 that its egress chain would drop go to the egress proxy (the host, other
+    sandboxes and ``allow_out`` are left alone: the filter decides those). Domain rules come
+    with everything else closed (:func:`parse_egress`), so "would drop" is "not allow_out"."""
+    if policy is None or not policy.allow_domains:
+        return []
+    rules = [["-m", "addrtype", "--dst-type", "LOCAL", "-j", "RETURN"], ["-d", subnet, "-j", "RETURN"]]
+    rules += [["-d", cidr, "-j", "RETURN"] for cidr in policy.allow_out]
+    ports = ",".join(str(p) for p in DOMAIN_PORTS)
+    rules.append(
+        ["-p", "tcp", "-m", "multiport", "--dports", ports, "-j", "REDIRECT", "--to-ports", str(proxy_port)]
+    )
+    return rules
+
+
+def _redirect_lines(
+    net: SandboxNetwork, subnet: str, policy: EgressPolicy | None, proxy_port: int
+) -> list[str]:
+    chain = redirect_chain(net)
+    return [f":{chain} - [0:0]"] + [
+        " ".join(["-A", chain, *r]) for r in redirect_rules(subnet, policy, proxy_port)
+    ]
+
+
+async def _proxy_port(settings: Settings, policy: EgressPolicy | None) -> int:
+    """The egress proxy's port, started when ``policy`` needs it (0: it does not)."""
+    if policy is None or not policy.allow_domains:
+        return 0
+    return (await egress_proxy.ensure_started(settings)).port
+
+
+def _publish_domains(settings: Settings, net: SandboxNetwork, policy: EgressPolicy | None) -> None:
+    """Tell the egress proxy (through the slot's policy file) what ``net``'s sandbox may reach."""
+    if policy is None or not policy.allow_domains:
+        egress_proxy.write_policy(settings, net.slot, None)
+        return
+    denied = [*DEFAULT_DENIED, *node_networks(), settings.sandbox_subnet]
+    egress_proxy.write_policy(
+        settings,
+        net.slot,
+        egress_proxy.DomainPolicy(
+            sandbox_id=net.sandbox_id,
+            sandbox_ip=net.sandbox_ip,
+            domains=policy.allow_domains,
+            allowed=policy.allow_out,
+            denied=tuple(dict.fromkeys(denied)),
+        ),
+    )
+
+
+async def resume_egress_proxy(settings: Settings) -> None:
+    """Start the egress proxy at server start when sandboxes that outlived the last run have
+    domain rules (their redirects point at it)."""
+    if egress_proxy.has_policies(settings):
+        await egress_proxy.ensure_started(settings)
 
 
 # -- slots --------------------------------------------------------------------------------------
@@ -426,7 +534,10 @@ HOOKS: list[tuple[str, str, tuple[str, ...]]] = [
     ("filter", "INPUT", ("-i", HOST_IF_PREFIX + "+", "-j", CHAIN)),
     ("filter", "FORWARD", ("-j", CHAIN)),
     ("nat", "POSTROUTING", ("-j", CHAIN)),
+    ("nat", "PREROUTING", ("-i", HOST_IF_PREFIX + "+", "-j", PRE_CHAIN)),
 ]
+#: (table, chain) of the shared chains the hooks jump to.
+SHARED_CHAINS = [("filter", CHAIN), ("nat", CHAIN), ("nat", PRE_CHAIN)]
 
 
 async def ensure_chains() -> None:
@@ -441,10 +552,10 @@ def _ensure_chains_locked() -> None:
         return subprocess.run(["iptables", "-w", "10", *args], capture_output=True, text=True)
 
     with exclusive(GLOBAL_LOCK):
-        for table in ("filter", "nat"):
-            proc = iptables("-t", table, "-N", CHAIN)
+        for table, chain in SHARED_CHAINS:
+            proc = iptables("-t", table, "-N", chain)
             if proc.returncode != 0 and "exists" not in proc.stderr:
-                raise NetworkError(f"cannot create iptables chain {CHAIN} in {table}: {proc.stderr}")
+                raise NetworkError(f"cannot create iptables chain {chain} in {table}: {proc.stderr}")
         for table, hook, rule in HOOKS:
             if iptables("-t", table, "-C", hook, *rule).returncode != 0:
                 proc = iptables("-t", table, "-I", hook, "1", *rule)
@@ -455,15 +566,33 @@ def _ensure_chains_locked() -> None:
 def _filter_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
     tag = ["-m", "comment", "--comment", net.netns]
     hif = net.host_if
+    # What the redirect chain sent to the egress proxy (a DNAT to a local address, from port 80
+    # or 443) is the only way in to the host; a direct connection to the proxy's port is not.
+    accept = ["-j", "ACCEPT"]
+    to_proxy = [
+        ["-i", hif, "-p", "tcp", "-m", "conntrack", "--ctstate", "DNAT", "--ctorigdstport", str(p), *accept]
+        for p in DOMAIN_PORTS
+    ]
     rules = [
         ["-i", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+        *to_proxy,
         ["-i", hif, "-m", "addrtype", "--dst-type", "LOCAL", "-j", "DROP"],
         ["-i", hif, "-d", subnet, "-j", "DROP"],
-        ["-i", hif, "-j", egress_chain(net)],
+        _jump_rule(net),
         ["-o", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
         ["-o", hif, "-j", "DROP"],
     ]
     return [[*r[:-2], *tag, *r[-2:]] for r in rules]
+
+
+def _jump_rule(net: SandboxNetwork) -> list[str]:
+    return ["-i", net.host_if, "-j", egress_chain(net)]
+
+
+def _pre_rules(net: SandboxNetwork) -> list[list[str]]:
+    """The rule of chain ``AGENTENV-PRE`` (nat, PREROUTING) that ``net`` gets."""
+    tag = ["-m", "comment", "--comment", net.netns]
+    return [["-i", net.host_if, "-p", "tcp", *tag, "-j", redirect_chain(net)]]
 
 
 def _nat_rules(net: SandboxNetwork, subnet: str) -> list[list[str]]:
@@ -495,17 +624,21 @@ def _rule_script(command: str, net: SandboxNetwork, subnet: str) -> Script:
         table: [" ".join([command, CHAIN, *rule]) for rule in rules]
         for table, rules in sandbox_rules(net, subnet).items()
     }
-    if command == "-D":  # the jump is gone: the egress chain can go (emptied first)
+    script["nat"] += [" ".join([command, PRE_CHAIN, *rule]) for rule in _pre_rules(net)]
+    if command == "-D":  # the jumps are gone: the per-sandbox chains can go (emptied first)
         script["filter"] += [f"-F {egress_chain(net)}", f"-X {egress_chain(net)}"]
+        script["nat"] += [f"-F {redirect_chain(net)}", f"-X {redirect_chain(net)}"]
     return script
 
 
-def _add_script(net: SandboxNetwork, subnet: str, egress: list[str]) -> Script:
+def _add_script(net: SandboxNetwork, subnet: str, egress: list[str], redirect: list[str]) -> Script:
     """Append ``net``'s rules after checking the hooks: a table's commit fails as a whole when a
     hook or chain is missing (flushed by someone since they were made, or never made). The
-    egress chain (``egress``: its lines) is made first: the jump into it needs it."""
+    egress and redirect chains (``egress``, ``redirect``: their lines) are made first: the jumps
+    into them need them."""
     script = _rule_script("-A", net, subnet)
     script["filter"][:0] = egress
+    script["nat"][:0] = redirect
     for table, hook, rule in reversed(HOOKS):
         script[table].insert(0, " ".join(["-C", hook, *rule]))
     return script
@@ -514,7 +647,10 @@ def _add_script(net: SandboxNetwork, subnet: str, egress: list[str]) -> Script:
 async def _add_rules(net: SandboxNetwork, settings: Settings, egress: EgressPolicy | None) -> None:
     _enable_ip_forward()
     lines = _egress_lines(net, net.allow_internet_access, egress)
-    script = _add_script(net, settings.sandbox_subnet, lines)
+    port = await _proxy_port(settings, egress)
+    _publish_domains(settings, net, egress)
+    redirect = _redirect_lines(net, settings.sandbox_subnet, egress, port)
+    script = _add_script(net, settings.sandbox_subnet, lines, redirect)
     if not await _restore_queue().apply(script):
         # Commits are per table, so one may have gone through: remove it before trying again.
         await _delete_tagged_rules(net.netns)
@@ -550,20 +686,25 @@ def _tagged_deletes(saved: str, tag: str, chains: set[str]) -> Script:
     """From ``iptables-save`` output: deletes of the AGENTENV rules tagged ``tag``, then the
     flush and removal of the egress chains they jump to (and of ``chains``) that exist."""
     deletes: Script = {table: [] for table in TABLES}
-    existing: set[str] = set()
+    existing: set[tuple[str, str]] = set()
+    own = {"filter": EGRESS_CHAIN_PREFIX, "nat": REDIRECT_CHAIN_PREFIX}
+    chains |= {REDIRECT_CHAIN_PREFIX + c.removeprefix(EGRESS_CHAIN_PREFIX) for c in chains}
     table = ""
     for line in saved.splitlines():
         if line.startswith("*"):
             table = line[1:].strip()
-        elif table == "filter" and line.startswith(":" + EGRESS_CHAIN_PREFIX):
-            existing.add(line[1:].split()[0])
-        elif table in deletes and line.startswith(f"-A {CHAIN} ") and _tagged(line, tag):
+        elif table in own and line.startswith(":" + own[table]):
+            existing.add((table, line[1:].split()[0]))
+        elif (
+            table in deletes and line.startswith((f"-A {CHAIN} ", f"-A {PRE_CHAIN} ")) and _tagged(line, tag)
+        ):
             deletes[table].append("-D" + line[2:])
-            found = re.search(rf"-j ({re.escape(EGRESS_CHAIN_PREFIX)}\S+)", line)
+            found = re.search(rf"-j ((?:{EGRESS_CHAIN_PREFIX}|{REDIRECT_CHAIN_PREFIX})\S+)", line)
             if found:
                 chains.add(found.group(1))
-    for chain in sorted(chains & existing):
-        deletes["filter"] += [f"-F {chain}", f"-X {chain}"]
+    for table, chain in sorted(existing):
+        if chain in chains:
+            deletes[table] += [f"-F {chain}", f"-X {chain}"]
     return deletes
 
 
@@ -574,12 +715,19 @@ async def update_egress(
     sandbox whose rules predate egress chains (made by an older agentenv) gets its rules
     rebuilt instead."""
     lines = _egress_lines(net, allow_internet_access, egress)
-    jump = " ".join(["-C", CHAIN, *_filter_rules(net, settings.sandbox_subnet)[3]])
-    if await _restore_queue().apply({"filter": [jump, *lines]}):
-        return
-    await _delete_tagged_rules(net.netns)
-    await ensure_chains()
-    await _iptables_restore(_add_script(net, settings.sandbox_subnet, lines))
+    port = await _proxy_port(settings, egress)
+    redirect = _redirect_lines(net, settings.sandbox_subnet, egress, port)
+    tag = ["-m", "comment", "--comment", net.netns]
+    jump = " ".join(["-C", CHAIN, *_jump_rule(net)[:-2], *tag, *_jump_rule(net)[-2:]])
+    pre_jump = " ".join(["-C", PRE_CHAIN, *_pre_rules(net)[0]])
+    # A policy gaining domains is published before its redirects, one losing them after.
+    if egress is not None and egress.allow_domains:
+        _publish_domains(settings, net, egress)
+    if not await _restore_queue().apply({"filter": [jump, *lines], "nat": [pre_jump, *redirect]}):
+        await _delete_tagged_rules(net.netns)
+        await ensure_chains()
+        await _iptables_restore(_add_script(net, settings.sandbox_subnet, lines, redirect))
+    _publish_domains(settings, net, egress)
 
 
 def _enable_ip_forward() -> None:
@@ -721,6 +869,9 @@ async def _teardown(
     if lines:
         await _ip_batch(lines, force=True)
     if slot is not None and _claimed_by(settings, slot) == sandbox_id:
+        # Its domain rules go, and so do the connections the egress proxy still relays for it.
+        egress_proxy.write_policy(settings, slot, None)
+        await egress_proxy.drop(slot_addresses(settings, slot)[1])
         _release_slot(settings, slot)
 
 

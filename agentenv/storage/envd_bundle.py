@@ -11,6 +11,7 @@ copied into one directory that runtimes mount read-only at ``/.agentenv``::
         bin/envd           launcher script (``#!/.agentenv/bin/python3 -I``), needs no /bin/sh
         lib/               ld-linux-x86-64.so.2, libc.so.6, libpython3.11.so.1.0, libssl, ...
         lib/python3.11/    stdlib (no tests, idle, tkinter, ...), lib-dynload, site-packages
+                           (Debian's python: lib/python3/dist-packages, :func:`bundle_site_rel`)
         manifest.json      what went in (inputs of the hash, library list, sizes)
 
 ``<hash>`` is derived from the envd source, the installed distributions, the interpreter and
@@ -222,7 +223,8 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
     (dest / "bin").mkdir(parents=True)
     (dest / "lib").mkdir()
     stdlib_dest = dest / STDLIB_REL
-    site_dest = stdlib_dest / "site-packages"
+    site_rel = bundle_site_rel(py)
+    site_dest = dest / site_rel
     _copy_stdlib(py.stdlib, stdlib_dest)
     site_entries = _envd_site_closure(py)
     site_dest.mkdir(parents=True, exist_ok=True)
@@ -237,7 +239,9 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
     libs = _copy_shared_libraries(dest)
     _relocate_elves(dest)
     _write_launcher(dest)
-    _compile(stdlib_dest)
+    _compile(dest, STDLIB_REL)
+    if not site_dest.is_relative_to(stdlib_dest):
+        _compile(dest, site_rel)
     return {
         "format": BUNDLE_FORMAT,
         "python": sys.version,
@@ -246,6 +250,21 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
         "libraries": sorted(libs),
         "size_bytes": _tree_size(dest),
     }
+
+
+def bundle_site_rel(py: HostPython) -> str:
+    """Where, under the bundle, its interpreter's own ``site`` module looks for packages:
+    ``lib/python3.X/site-packages`` for an upstream build; Debian's patched python (the image's,
+    a fresh Debian 12's) never looks there outside a venv, only in ``lib/python3/dist-packages``."""
+    script = f"import json, site; print(json.dumps(site.getsitepackages([{MOUNT_POINT!r}])))"
+    argv = [str(py.executable), "-I", "-c", script]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode == 0:
+        for path in json.loads(proc.stdout):
+            relative = Path(path).relative_to(MOUNT_POINT)
+            if relative.parts[0] == "lib":  # not local/lib: that one is for the sysadmin's packages
+                return relative.as_posix()
+    return f"{STDLIB_REL}/site-packages"
 
 
 def _ignore_pycache(_dir: str, names: list[str]) -> list[str]:
@@ -431,10 +450,10 @@ def _write_launcher(dest: Path) -> None:
     launcher.chmod(0o755)
 
 
-def _compile(stdlib_dest: Path) -> None:
+def _compile(dest: Path, relative: str) -> None:
     """Byte-compile what has no valid .pyc yet (site-packages, envd); importing from source
     under gVisor's ptrace platform costs seconds at every sandbox start."""
-    ok = compileall.compile_dir(str(stdlib_dest), quiet=2, workers=0, ddir=f"{MOUNT_POINT}/{STDLIB_REL}")
+    ok = compileall.compile_dir(str(dest / relative), quiet=2, workers=0, ddir=f"{MOUNT_POINT}/{relative}")
     if not ok:
         raise BundleError("byte-compiling the envd bundle failed")
 

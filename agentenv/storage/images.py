@@ -25,6 +25,7 @@ configures ``eth0`` from ``agentenv.ip=``/``agentenv.gw=`` on the kernel command
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import hashlib
@@ -603,13 +604,29 @@ def pull_image_rootfs(
     if _loopback_registry(reference):
         cmd.append("--src-tls-verify=false")
     if username is not None:
-        cmd += ["--src-creds", f"{username}:{password or ''}"]
-    _run(*cmd, reference, f"oci:{layout}:image")
+        # An auth file, not ``--src-creds``: credentials stay out of argv (``ps``) and out of
+        # the command line a failure's message repeats (it goes to the build's logs).
+        cmd += ["--src-authfile", str(_write_authfile(work, reference, username, password or ""))]
+    try:
+        _run(*cmd, reference, f"oci:{layout}:image")
+    finally:
+        (work / "auth.json").unlink(missing_ok=True)
     _run("umoci", "unpack", "--image", f"{layout}:image", str(bundle))
     config = _bundle_config(bundle / "config.json")
     os.rename(bundle / "rootfs", dest)
     shutil.rmtree(work, ignore_errors=True)
     return config
+
+
+def _write_authfile(work: Path, reference: str, username: str, password: str) -> Path:
+    """A containers-auth.json (mode 0600) with the credentials of ``reference``'s registry."""
+    host = reference.removeprefix("docker://").split("/", 1)[0]
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    path = work / "auth.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"auths": {host: {"auth": token}}}, f)
+    return path
 
 
 def _bundle_config(path: Path) -> OciImageConfig:

@@ -1,7 +1,8 @@
 """This node's side of the snapshot store: which snapshots are durable (stored), which have a local
 copy, when each was last used, and which local copies to evict when the cache is over its cap.
 
-One row per snapshot in the ``snapshot_copies`` table of the registry database:
+One row per snapshot and node in the ``snapshot_copies`` table of the registry database (a cluster's
+nodes each keep their own copies of the shared snapshots; this class sees only its node's rows):
 
 * ``state``: ``local`` (committed here only), ``uploading``, ``durable`` (the store holds it:
   any node can restore it), ``failed`` (the upload failed; retried at the next start-up);
@@ -19,22 +20,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import aiosqlite
+from sqlalchemy import ColumnElement, Connection, RowMapping, delete, insert, select, update
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS snapshot_copies (
-    snapshot_id TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    cached INTEGER NOT NULL DEFAULT 1,
-    bytes INTEGER NOT NULL DEFAULT 0,
-    last_used REAL NOT NULL,
-    uploaded_at REAL,
-    upload_ms INTEGER,
-    error TEXT
-);
-"""
+from agentenv.storage.db import Registry
+from agentenv.storage.db.schema import snapshot_copies
 
 CopyState = Literal["local", "uploading", "durable", "failed"]
 
@@ -67,7 +58,7 @@ class CopyRow:
         }
 
 
-def _row(r: aiosqlite.Row) -> CopyRow:
+def _row(r: RowMapping) -> CopyRow:
     return CopyRow(
         snapshot_id=r["snapshot_id"],
         state=r["state"],
@@ -81,59 +72,61 @@ def _row(r: aiosqlite.Row) -> CopyRow:
 
 
 class SnapshotCopies:
-    """The ``snapshot_copies`` table and the in-memory pins."""
+    """This node's rows of the ``snapshot_copies`` table, and the in-memory pins."""
 
-    def __init__(self, db: aiosqlite.Connection) -> None:
+    def __init__(self, db: Registry) -> None:
         self.db = db
         self._pins: Counter[str] = Counter()
 
     async def open(self) -> None:
-        await self.db.executescript(SCHEMA)
-        await self.db.commit()
+        """Nothing to do: opening the registry made the table (its migrations)."""
+
+    def _mine(self, snapshot_id: str | None = None) -> ColumnElement[bool]:
+        here = snapshot_copies.c.node_id == self.db.node_id
+        return here if snapshot_id is None else here & (snapshot_copies.c.snapshot_id == snapshot_id)
 
     async def get(self, snapshot_id: str) -> CopyRow | None:
-        async with self.db.execute(
-            "SELECT * FROM snapshot_copies WHERE snapshot_id = ?", (snapshot_id,)
-        ) as cur:
-            r = await cur.fetchone()
-        return _row(r) if r else None
+        stmt = select(snapshot_copies).where(self._mine(snapshot_id))
+        found = await self.db.read(lambda conn: conn.execute(stmt).mappings().first())
+        return _row(found) if found else None
 
     async def all(self) -> list[CopyRow]:
-        async with self.db.execute("SELECT * FROM snapshot_copies") as cur:
-            return [_row(r) for r in await cur.fetchall()]
+        stmt = select(snapshot_copies).where(self._mine())
+        return await self.db.read(lambda conn: [_row(r) for r in conn.execute(stmt).mappings()])
 
     async def put(self, row: CopyRow) -> None:
-        await self.db.execute(
-            "INSERT OR REPLACE INTO snapshot_copies (snapshot_id, state, cached, bytes, last_used,"
-            " uploaded_at, upload_ms, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                row.snapshot_id,
-                row.state,
-                int(row.cached),
-                row.bytes,
-                row.last_used,
-                row.uploaded_at,
-                row.upload_ms,
-                row.error,
-            ),
-        )
-        await self.db.commit()
+        """Insert or replace this node's row for ``row.snapshot_id`` (one transaction)."""
+        values = {
+            "snapshot_id": row.snapshot_id,
+            "node_id": self.db.node_id,
+            "state": row.state,
+            "cached": int(row.cached),
+            "bytes": row.bytes,
+            "last_used": row.last_used,
+            "uploaded_at": row.uploaded_at,
+            "upload_ms": row.upload_ms,
+            "error": row.error,
+        }
+        stale = delete(snapshot_copies).where(self._mine(row.snapshot_id))
 
-    async def update(self, snapshot_id: str, **fields: object) -> None:
+        def replace(conn: Connection) -> None:
+            conn.execute(stale)
+            conn.execute(insert(snapshot_copies), values)
+
+        await self.db.write(replace)
+
+    async def update(self, snapshot_id: str, **fields: Any) -> None:
         if not fields:
             return
-        cols = ", ".join(f"{k} = ?" for k in fields)
-        await self.db.execute(
-            f"UPDATE snapshot_copies SET {cols} WHERE snapshot_id = ?", (*fields.values(), snapshot_id)
-        )
-        await self.db.commit()
+        stmt = update(snapshot_copies).where(self._mine(snapshot_id)).values(**fields)
+        await self.db.write(lambda conn: conn.execute(stmt))
 
     async def touch(self, snapshot_id: str) -> None:
         await self.update(snapshot_id, last_used=time.time())
 
     async def remove(self, snapshot_id: str) -> None:
-        await self.db.execute("DELETE FROM snapshot_copies WHERE snapshot_id = ?", (snapshot_id,))
-        await self.db.commit()
+        stmt = delete(snapshot_copies).where(self._mine(snapshot_id))
+        await self.db.write(lambda conn: conn.execute(stmt))
 
     # -- pins ------------------------------------------------------------------------------------
 

@@ -8,6 +8,9 @@ directory without row (also swept). A committed snapshot is never
 touched by either. Deleting a snapshot only removes its own directory (memory image and meta);
 the disk layers it names are shared with its descendants and freed by the runtime's
 ``collect_garbage`` once nothing names them, so descendants never break.
+
+The rows are shared by a cluster's nodes (a durable snapshot restores on any of them); each names
+the node that took it (``node_id``), and the start-up sweep only ever drops this node's rows.
 """
 
 from __future__ import annotations
@@ -21,25 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import aiosqlite
+from sqlalchemy import RowMapping, Select, delete, insert, select
 
 from agentenv.storage.atomic import publish
+from agentenv.storage.db import Registry
+from agentenv.storage.db.schema import snapshots
 from agentenv.types import SnapshotRef
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS snapshots (
-    snapshot_id TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,
-    source_sandbox_id TEXT NOT NULL,
-    parent_id TEXT,
-    name TEXT,
-    runtime TEXT NOT NULL,
-    template_id TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    info TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS snapshots_source ON snapshots(source_sandbox_id);
-"""
 
 #: ``pause``: the memory state of a paused sandbox (private to it, deleted on resume/kill);
 #: ``snapshot``: a user snapshot (a template sandboxes are created from); ``fork``: a fork's one
@@ -60,6 +50,8 @@ class SnapshotRow:
     parent_id: str | None = None
     name: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: The node that took it (its ``info`` paths are that node's); set when read from the registry.
+    node_id: str = ""
 
 
 def snapshots_dir(data_dir: Path) -> Path:
@@ -95,7 +87,7 @@ def remove_dir(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _row(r: aiosqlite.Row) -> SnapshotRow:
+def _row(r: RowMapping) -> SnapshotRow:
     return SnapshotRow(
         snapshot_id=r["snapshot_id"],
         kind=r["kind"],
@@ -106,82 +98,86 @@ def _row(r: aiosqlite.Row) -> SnapshotRow:
         parent_id=r["parent_id"],
         name=r["name"],
         info=json.loads(r["info"]),
+        node_id=r["node_id"],
     )
 
 
 class SnapshotStore:
-    """The ``snapshots`` table, in the orchestrator's SQLite database (its connection)."""
+    """The ``snapshots`` table, in the registry's database (the sandbox store's engine)."""
 
-    def __init__(self, db: aiosqlite.Connection, data_dir: Path) -> None:
+    def __init__(self, db: Registry, data_dir: Path) -> None:
         self.db = db
         self.data_dir = data_dir
 
     async def open(self) -> None:
-        await self.db.executescript(SCHEMA)
-        await self.db.commit()
+        """Nothing to do: opening the registry made the table (its migrations)."""
 
     def ref(self, row: SnapshotRow) -> SnapshotRef:
         return SnapshotRef(snapshot_id=row.snapshot_id, path=final_path(self.data_dir, row.snapshot_id))
 
+    async def _select(self, stmt: Select[Any]) -> list[SnapshotRow]:
+        return await self.db.read(lambda conn: [_row(r) for r in conn.execute(stmt).mappings()])
+
     async def add(self, row: SnapshotRow) -> None:
-        await self.db.execute(
-            "INSERT INTO snapshots (snapshot_id, kind, source_sandbox_id, parent_id, name, runtime,"
-            " template_id, created_at, info) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                row.snapshot_id,
-                row.kind,
-                row.source_sandbox_id,
-                row.parent_id,
-                row.name,
-                row.runtime,
-                row.template_id,
-                row.created_at.timestamp(),
-                json.dumps(row.info),
-            ),
-        )
-        await self.db.commit()
+        values = {
+            "snapshot_id": row.snapshot_id,
+            "kind": row.kind,
+            "source_sandbox_id": row.source_sandbox_id,
+            "parent_id": row.parent_id,
+            "name": row.name,
+            "runtime": row.runtime,
+            "template_id": row.template_id,
+            "created_at": row.created_at.timestamp(),
+            "info": json.dumps(row.info),
+            "node_id": self.db.node_id,
+        }
+        await self.db.write(lambda conn: conn.execute(insert(snapshots), values))
 
     async def get(self, snapshot_id: str) -> SnapshotRow | None:
-        async with self.db.execute("SELECT * FROM snapshots WHERE snapshot_id = ?", (snapshot_id,)) as cur:
-            r = await cur.fetchone()
-        return _row(r) if r else None
+        found = await self._select(select(snapshots).where(snapshots.c.snapshot_id == snapshot_id))
+        return found[0] if found else None
 
     async def find(self, name_or_id: str) -> SnapshotRow | None:
         """By id or name; a ``:tag`` suffix (``x:default``) and ``team/`` prefix are ignored."""
         key = name_or_id.split("/")[-1].split(":")[0]
         row = await self.get(key)
         if row is None:
-            async with self.db.execute(
-                "SELECT * FROM snapshots WHERE name = ? AND kind = 'snapshot' ORDER BY created_at DESC",
-                (key,),
-            ) as cur:
-                r = await cur.fetchone()
-            row = _row(r) if r else None
+            stmt = (
+                select(snapshots)
+                .where(snapshots.c.name == key, snapshots.c.kind == "snapshot")
+                .order_by(snapshots.c.created_at.desc())
+                .limit(1)
+            )
+            found = await self._select(stmt)
+            row = found[0] if found else None
         return row
 
-    async def rows(self, *, kind: SnapshotKind | None = None, source: str | None = None) -> list[SnapshotRow]:
-        sql = "SELECT * FROM snapshots WHERE 1=1"
-        params: list[str] = []
+    async def rows(
+        self, *, kind: SnapshotKind | None = None, source: str | None = None, mine: bool = False
+    ) -> list[SnapshotRow]:
+        """Newest first; ``mine``: only those this node took (its pause and fork snapshots, the
+        uploads it owes the store)."""
+        stmt = select(snapshots)
         if kind:
-            sql += " AND kind = ?"
-            params.append(kind)
+            stmt = stmt.where(snapshots.c.kind == kind)
         if source:
-            sql += " AND source_sandbox_id = ?"
-            params.append(source)
-        async with self.db.execute(sql + " ORDER BY created_at DESC", params) as cur:
-            return [_row(r) for r in await cur.fetchall()]
+            stmt = stmt.where(snapshots.c.source_sandbox_id == source)
+        if mine:
+            stmt = stmt.where(snapshots.c.node_id == self.db.node_id)
+        return await self._select(stmt.order_by(snapshots.c.created_at.desc()))
 
     async def delete(self, snapshot_id: str) -> None:
         """Row first, then files: a crash in between leaves an unreferenced dir (swept later)."""
-        await self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", (snapshot_id,))
-        await self.db.commit()
+        stmt = delete(snapshots).where(snapshots.c.snapshot_id == snapshot_id)
+        await self.db.write(lambda conn: conn.execute(stmt))
         with contextlib.suppress(OSError):
             remove_dir(final_path(self.data_dir, snapshot_id))
 
     async def sweep_incomplete(self, keep_without_dir: set[str] | None = None) -> list[str]:
-        """Remove temp dirs and committed dirs without a row (crash leftovers); rows whose
-        directory vanished are dropped too, except ``keep_without_dir`` (snapshots the snapshot
-        store holds, whose local copy may have been evicted). Returns what was removed."""
+        """Remove temp dirs and committed dirs without a row (crash leftovers); this node's rows
+        whose directory vanished are dropped too, except ``keep_without_dir`` (snapshots the
+        snapshot store holds, whose local copy may have been evicted). Other nodes' rows are
+        theirs: their directories are on their disks. Returns what was removed."""
         removed: list[str] = []
         root = snapshots_dir(self.data_dir)
         known = {r.snapshot_id for r in await self.rows()}
@@ -189,9 +185,10 @@ class SnapshotStore:
             if entry.name.startswith(TMP_PREFIX) or entry.name not in known:
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
-        for sid in known - (keep_without_dir or set()):
-            if not (root / sid).is_dir():
-                await self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", (sid,))
-                removed.append(sid)
-        await self.db.commit()
+        mine = {r.snapshot_id for r in await self.rows(mine=True)}
+        vanished = sorted(sid for sid in mine - (keep_without_dir or set()) if not (root / sid).is_dir())
+        if vanished:
+            stmt = delete(snapshots).where(snapshots.c.snapshot_id.in_(vanished))
+            await self.db.write(lambda conn: conn.execute(stmt))
+            removed.extend(vanished)
         return removed

@@ -9,6 +9,15 @@ Layout under ``settings.templates_dir`` (``{data_dir}/templates`` unless set), p
 A build happens in ``.rootfs.partial`` next to ``rootfs`` and is renamed into place, so a reader
 never sees a half-built tree; an interrupted build is removed and redone by the next build. An
 exclusive ``flock`` on ``.lock`` serialises concurrent builds (also across processes).
+
+A template built through the build API keeps each build under ``builds/<build id>/`` (``rootfs``
+and that build's ``template.json``; the template's ``rootfs`` is a link to the current one's):
+the current build, every build a tag names, and the newest few untagged ones. ``name:tag``
+resolves to the build its tag points at; a build's root never moves while it is kept, so
+sandboxes of an older build keep running (and resume) on it.
+A build's ``template.json`` names its *layer key* (the step cache key of its last step, see
+:mod:`agentenv.orchestrator.builder`): :func:`find_layer` finds a finished root of that key in
+any template, which a later build takes as its starting point (hard-linked, read-only shared).
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SANDBOX_UID = 1000
 COMPLETE_MARKER = ".complete"
 METADATA_FILE = "template.json"
+#: Builds of the build API, one directory per build id (the current one, tagged ones, a few more).
+BUILDS_DIR = "builds"
+#: Older builds no tag names that stay (sandboxes made from them may still run on their roots).
+UNTAGGED_BUILDS_KEPT = 2
 
 
 class TemplateError(AgentenvError):
@@ -120,24 +133,29 @@ def is_built(template_id: str, settings: Settings) -> bool:
 
 def load_template(template_id: str, settings: Settings) -> TemplateImage:
     """The finished template, or :class:`TemplateNotBuilt` when it is not (completely) built.
-    ``name:tag`` names the template's build of that tag: only its newest build is kept, so a tag
-    of an older build is not found."""
+    ``name:tag`` names the template's build of that tag (the current one or a kept older one)."""
     template_id, tag = split_name(template_id)
     tdir = template_dir(template_id, settings)
-    if tag is not None and is_built(template_id, settings):
-        meta = read_metadata(template_id, settings)
-        current = meta.get("build_id")
-        tags = meta.get("tags") or {}
-        if tag not in tags or (current and tags[tag].get("build_id") != current):
-            raise TemplateNotBuilt(f"template {template_id!r} has no current build tagged {tag!r}")
     if not is_built(template_id, settings):
         raise TemplateNotBuilt(
             f"template {template_id!r} is not built (run: agentenv template build {template_id})"
         )
-    meta = json.loads((tdir / METADATA_FILE).read_text())
+    meta = read_metadata(template_id, settings)
+    wanted = str(meta.get("build_id") or "")
+    if tag is not None:
+        tags = meta.get("tags") or {}
+        if tag not in tags:
+            raise TemplateNotBuilt(f"template {template_id!r} has no build tagged {tag!r}")
+        wanted = str(tags[tag].get("build_id") or "")
+    build_dir = tdir  # a recipe build (no build id), or the current one made before builds/
+    if wanted and (tdir / BUILDS_DIR / wanted / COMPLETE_MARKER).is_file():
+        build_dir = kept_build_dir(template_id, wanted, settings)
+    elif wanted and wanted != meta.get("build_id"):
+        raise TemplateNotBuilt(f"build {wanted} (tag {tag!r}) of template {template_id!r} is gone")
+    meta = json.loads((build_dir / METADATA_FILE).read_text())
     return TemplateImage(
         template_id=template_id,
-        rootfs=tdir / "rootfs",
+        rootfs=build_dir / "rootfs",
         vcpus=int(meta.get("vcpus", 2)),
         memory_mb=int(meta.get("memory_mb", 512)),
         disk_mb=int(meta.get("disk_mb", 4096)),
@@ -155,6 +173,77 @@ def read_metadata(template_id: str, settings: Settings) -> dict[str, Any]:
     return meta
 
 
+def kept_build_dir(template_id: str, build_id: str, settings: Settings) -> Path:
+    """Where an earlier build of the template is kept (``rootfs``, ``template.json``)."""
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", build_id):
+        raise InvalidTemplateId(f"invalid build id {build_id!r}")
+    return template_dir(template_id, settings) / BUILDS_DIR / build_id
+
+
+def build_metadata(template_id: str, build_id: str, settings: Settings) -> dict[str, Any] | None:
+    """``template.json`` of the template's build ``build_id`` (current or kept), None if gone."""
+    current = read_metadata(template_id, settings)
+    if current.get("build_id") == build_id and is_built(template_id, settings):
+        return current
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", build_id):
+        return None
+    path = kept_build_dir(template_id, build_id, settings)
+    if not (path / COMPLETE_MARKER).is_file():
+        return None
+    try:
+        meta: dict[str, Any] = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta
+
+
+def kept_builds(template_id: str, settings: Settings) -> list[dict[str, Any]]:
+    """``template.json`` of every earlier build the template keeps (not the current), oldest first."""
+    root = template_dir(template_id, settings) / BUILDS_DIR
+    current = read_metadata(template_id, settings).get("build_id")
+    found = []
+    for bdir in root.iterdir() if root.is_dir() else []:
+        if bdir.name != current and (bdir / COMPLETE_MARKER).is_file():
+            try:
+                found.append(json.loads((bdir / METADATA_FILE).read_text()))
+            except (OSError, ValueError):
+                continue
+    return sorted(found, key=lambda m: str(m.get("created_at", "")))
+
+
+def find_layer(layer_key: str, settings: Settings) -> tuple[Path, dict[str, Any]] | None:
+    """A finished root whose build ended with the step cache key ``layer_key`` (any template,
+    current or kept build), with that build's metadata; None when no build has one."""
+    root = settings.templates_dir
+    if not root.is_dir():
+        return None
+    for tdir in sorted(root.iterdir()):
+        if tdir.is_symlink() or not tdir.is_dir():  # a shared recipe template linked in
+            continue
+        legacy = [] if (tdir / "rootfs").is_symlink() else [tdir]  # a current build made before builds/
+        candidates = [*legacy, *sorted((tdir / BUILDS_DIR).glob("*"))]
+        for bdir in candidates:
+            if not (bdir / COMPLETE_MARKER).is_file() or not (bdir / "rootfs").is_dir():
+                continue
+            try:
+                meta = json.loads((bdir / METADATA_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            if meta.get("layer_key") == layer_key:
+                return bdir / "rootfs", meta
+    return None
+
+
+def share_layer(layer: Path, dest: Path) -> None:
+    """``dest`` becomes a tree of ``layer``'s files, hard-linked (read-only sharing: neither is
+    ever written; the last build naming the data frees it); a copy across file systems."""
+    proc = subprocess.run(["cp", "-al", f"{layer}/.", str(dest)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        _run(["cp", "-a", f"{layer}/.", str(dest)])
+
+
 def build_staging(template_id: str, build_id: str, settings: Settings) -> Path:
     """A fresh directory of the template's for one build's work (image layouts, the new root)."""
     staging = template_dir(template_id, settings) / f".build-{build_id}"
@@ -166,24 +255,66 @@ def build_staging(template_id: str, build_id: str, settings: Settings) -> Path:
 
 def publish_build(template_id: str, rootfs: Path, meta: dict[str, Any], settings: Settings) -> TemplateImage:
     """Make the finished root file system ``rootfs`` (in the template's build staging) the
-    template's current build, with ``meta`` (build_id, limits, start command ...). Tags of the
-    template's earlier builds are kept in ``template.json`` (they no longer resolve)."""
+    template's current build, with ``meta`` (build_id, limits, start command ...).
+
+    Every build lives in ``builds/<build id>/`` (its root, its ``template.json``) and keeps that
+    path for its life: sandboxes record it (a resume or a snapshot restore mounts it again), so a
+    later build must not move it. ``rootfs`` of the template is a link to the current build's."""
     tdir = template_dir(template_id, settings)
+    build_id = str(meta["build_id"])
     with _build_lock(tdir):
         old = read_metadata(template_id, settings) if is_built(template_id, settings) else {}
-        (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
-        _remove_unused_retired(tdir)
-        if (tdir / "rootfs").exists():
-            _retire(tdir / "rootfs")
-        os.rename(rootfs, tdir / "rootfs")
         created_at = _dt.datetime.now(_dt.UTC).isoformat()
         tags = dict(old.get("tags") or {})
         for tag in meta.pop("new_tags", []):
-            tags[tag] = {"build_id": meta["build_id"], "created_at": created_at}
-        full = {"template_id": template_id, "created_at": created_at, **meta, "tags": tags}
-        write_json_atomic(tdir / METADATA_FILE, full, indent=2)
-        write_atomic(tdir / COMPLETE_MARKER, f"{created_at} {meta.get('build_id', '')}\n")
+            tags[tag] = {"build_id": build_id, "created_at": created_at}
+        full = {"template_id": template_id, "created_at": created_at, **meta}
+        bdir = tdir / BUILDS_DIR / build_id
+        bdir.mkdir(parents=True)
+        os.rename(rootfs, bdir / "rootfs")
+        write_json_atomic(bdir / METADATA_FILE, full, indent=2)
+        write_atomic(bdir / COMPLETE_MARKER, f"{created_at} {build_id}\n")
+        (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
+        _remove_unused_retired(tdir)
+        current = tdir / "rootfs"
+        if current.is_dir() and not current.is_symlink():  # a recipe build, or one made before builds/
+            if old.get("build_id"):
+                _keep_build(tdir, old)
+            else:
+                _retire(current)
+        link = tdir / f".rootfs.link-{time.time_ns()}"
+        link.symlink_to(f"{BUILDS_DIR}/{build_id}/rootfs")
+        os.replace(link, current)
+        write_json_atomic(tdir / METADATA_FILE, {**full, "tags": tags}, indent=2)
+        write_atomic(tdir / COMPLETE_MARKER, f"{created_at} {build_id}\n")
+        _drop_builds(tdir, {build_id, *(str(t["build_id"]) for t in tags.values())})
     return load_template(template_id, settings)
+
+
+def _keep_build(tdir: Path, meta: dict[str, Any]) -> None:
+    """Move a current build made before ``builds/`` existed under ``builds/<build id>/``."""
+    bdir = tdir / BUILDS_DIR / str(meta["build_id"])
+    if bdir.exists():
+        shutil.rmtree(bdir, ignore_errors=True)
+    bdir.mkdir(parents=True)
+    os.rename(tdir / "rootfs", bdir / "rootfs")
+    kept = {k: v for k, v in meta.items() if k != "tags"}
+    write_json_atomic(bdir / METADATA_FILE, kept, indent=2)
+    write_atomic(bdir / COMPLETE_MARKER, f"{meta.get('created_at', '')} {meta['build_id']}\n")
+
+
+def _drop_builds(tdir: Path, named: set[str], untagged_kept: int = UNTAGGED_BUILDS_KEPT) -> None:
+    """Builds neither current nor tagged: the newest ``untagged_kept`` stay (sandboxes made from
+    them may still run), older ones retire (removed once nothing mounts them)."""
+    root = tdir / BUILDS_DIR
+    unnamed = [b for b in (root.iterdir() if root.is_dir() else []) if b.name not in named]
+    unnamed.sort(key=lambda b: (b / COMPLETE_MARKER).read_text() if (b / COMPLETE_MARKER).is_file() else "")
+    for bdir in unnamed[: max(0, len(unnamed) - untagged_kept)]:
+        (bdir / COMPLETE_MARKER).unlink(missing_ok=True)
+        if (bdir / "rootfs").exists():
+            _retire(bdir / "rootfs", tdir)
+        shutil.rmtree(bdir, ignore_errors=True)
+    _remove_unused_retired(tdir)
 
 
 def set_tags(template_id: str, settings: Settings, add: dict[str, str], remove: list[str]) -> dict[str, Any]:
@@ -199,6 +330,8 @@ def set_tags(template_id: str, settings: Settings, add: dict[str, str], remove: 
             tags.pop(tag, None)
         meta["tags"] = tags
         write_json_atomic(tdir / METADATA_FILE, meta, indent=2)
+        if remove:
+            _drop_builds(tdir, {str(meta.get("build_id", "")), *(str(t["build_id"]) for t in tags.values())})
     return tags
 
 
@@ -210,13 +343,15 @@ def delete_template(template_id: str, settings: Settings) -> None:
         raise TemplateNotBuilt(f"template {template_id!r} not found")
     with _build_lock(tdir):
         (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
-        if (tdir / "rootfs").exists():
+        if (tdir / "rootfs").is_symlink():
+            (tdir / "rootfs").unlink()
+        elif (tdir / "rootfs").exists():
             _retire(tdir / "rootfs")
-        _remove_unused_retired(tdir)
+        _drop_builds(tdir, set(), untagged_kept=0)
         for entry in tdir.iterdir():
             if entry.name == ".lock" or entry.name.startswith(".rootfs.retired-"):
                 continue
-            if entry.is_dir():
+            if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
@@ -325,10 +460,11 @@ def _populate(recipe: TemplateRecipe, target: Path) -> None:
         raise TemplateBuildFailed(f"unknown template recipe kind {recipe.kind!r}")
 
 
-def _retire(tree: Path) -> None:
-    """Move a finished rootfs out of the way instead of deleting it: running sandboxes may
-    still use it as their overlay lower layer (``--force`` rebuilds)."""
-    os.rename(tree, tree.with_name(f".rootfs.retired-{time.time_ns()}"))
+def _retire(tree: Path, tdir: Path | None = None) -> None:
+    """Move a finished rootfs out of the way (into ``tdir``, its own directory by default)
+    instead of deleting it: running sandboxes may still use it as their overlay lower layer
+    (``--force`` rebuilds, dropped builds)."""
+    os.rename(tree, (tdir or tree.parent) / f".rootfs.retired-{time.time_ns()}")
 
 
 def _remove_unused_retired(tdir: Path) -> None:

@@ -1,6 +1,6 @@
 // Network policy with the official JS SDK: create with allowOut/denyOut, getInfo, updateNetwork,
-// a refused domain. Prints one JSON line. Test hosts come from TEST_PORT / TEST_PUBLIC /
-// TEST_PUBLIC2 / TEST_PRIVATE (tests/system/test_network_policy.py makes them).
+// a refused domain rule (no ALL_TRAFFIC in denyOut). Prints one JSON line. Test hosts come from
+// TEST_PORT / TEST_PUBLIC / TEST_PUBLIC2 / TEST_PRIVATE (tests/system/test_network_policy.py makes them).
 import { Sandbox, ALL_TRAFFIC } from 'e2b'
 
 const port = process.env.TEST_PORT
@@ -35,7 +35,7 @@ try {
 try {
   const bad = await Sandbox.create('base', {
     timeoutMs: 60_000,
-    network: { allowOut: ['example.com'], denyOut: [ALL_TRAFFIC] },
+    network: { allowOut: ['example.com'] }, // a domain needs ALL_TRAFFIC denied (E2B)
   })
   await bad.kill()
   out.refused = 'created'

@@ -13,6 +13,7 @@ before and after (the session check of :mod:`tests.support.fixtures`).
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,91 @@ def link_exists(name: str) -> bool:
     return Path(f"/sys/class/net/{name}").exists()
 
 
+# -- firewall and egress proxy -----------------------------------------------------------------
+
+#: Per-sandbox iptables chains (agentenv.runtime.network): egress filter, egress proxy redirect.
+SANDBOX_CHAIN_PREFIXES = ("AEO-", "AEP-")
+
+
+def _iptables_save() -> list[tuple[str, str]]:
+    """(table, line) of every rule and chain on the host."""
+    try:
+        out = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+    except FileNotFoundError:  # no iptables on this host: no rules either
+        return []
+    table, lines = "", []
+    for line in out.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        lines.append((table, line))
+    return lines
+
+
+def sandbox_chains() -> set[str]:
+    """``table:chain`` of every per-sandbox chain on the host."""
+    return {
+        f"{table}:{line[1:].split()[0]}"
+        for table, line in _iptables_save()
+        if line.startswith(tuple(":" + p for p in SANDBOX_CHAIN_PREFIXES))
+    }
+
+
+def firewall_resources(sandbox_id: str) -> list[str]:
+    """iptables rules tagged with the sandbox's netns name, and per-sandbox chains whose host
+    interface is gone (a chain is named by the interface, not the sandbox)."""
+    _, prefix, _ = _network_names()
+    tag = f"--comment {prefix}{sandbox_id}"
+    found = [f"rule {table}: {line}" for table, line in _iptables_save() if (line + " ").count(tag + " ")]
+    for chain in sorted(sandbox_chains()):
+        interface = chain.split(":", 1)[1].split("-", 1)[1]
+        if not link_exists(interface):
+            found.append(f"orphan chain {chain}")
+    return found
+
+
+def sandbox_address(data_dir: Path, sandbox_id: str) -> str | None:
+    """The sandbox end of the sandbox's /30 link (its slot's host address + 1), from the slot
+    claims of ``data_dir`` and the host interface."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    _, _, host_prefix = _network_names()
+    for claim in (data_dir / "net").glob("slot-*"):
+        if claim.read_text().strip() != sandbox_id:
+            continue
+        for addr in psutil.net_if_addrs().get(host_prefix + claim.name.removeprefix("slot-"), []):
+            if addr.family == socket.AF_INET:
+                return str(ipaddress.ip_address(addr.address) + 1)
+    return None
+
+
+def proxy_connections(data_dir: Path, sandbox_ip: str) -> list[str]:
+    """TCP connections the egress proxy of ``data_dir``'s server holds open for ``sandbox_ip``
+    (a socket it has closed, left to the kernel in FIN_WAIT or TIME_WAIT, has no process)."""
+    import psutil
+
+    try:
+        port = int((data_dir / "net" / "egress-proxy-port").read_text())
+    except (OSError, ValueError):
+        return []
+    return [
+        f"{c.laddr.ip}:{c.laddr.port} <- {c.raddr.ip}:{c.raddr.port} {c.status}"
+        for c in psutil.net_connections(kind="tcp")
+        if c.raddr and c.raddr.ip == sandbox_ip and c.laddr.port == port and c.pid is not None
+    ]
+
+
+def wait_no_proxy_connections(data_dir: Path, sandbox_ip: str, timeout: float = 10) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = proxy_connections(data_dir, sandbox_ip)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
+
+
 # -- processes ---------------------------------------------------------------------------------
 
 
@@ -180,6 +266,7 @@ class HostState:
     netns: frozenset[str]
     links: frozenset[str]
     processes: dict[int, str]  # pid -> "<pid> <command line>" of sandbox programs
+    chains: frozenset[str] = frozenset()  # table:chain of per-sandbox iptables chains
 
     def new_since(self, before: HostState) -> list[str]:
         """What exists now and did not exist in ``before``."""
@@ -188,12 +275,15 @@ class HostState:
             [f"netns {n}" for n in sorted(self.netns - before.netns)]
             + [f"veth {n}" for n in sorted(self.links - before.links)]
             + [f"process {line}" for line in new_processes]
+            + [f"iptables chain {c}" for c in sorted(self.chains - before.chains)]
         )
 
 
 def host_state() -> HostState:
     programs = {int(line.split(" ", 1)[0]): line for line in sandbox_processes()}
-    return HostState(frozenset(agentenv_netns()), frozenset(host_links()), programs)
+    return HostState(
+        frozenset(agentenv_netns()), frozenset(host_links()), programs, frozenset(sandbox_chains())
+    )
 
 
 def wait_host_clean(before: HostState, timeout: float = 10) -> list[str]:

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from agentenv.config import Settings
 from agentenv.errors import Invalid
-from agentenv.runtime import network
+from agentenv.runtime import egress_proxy, network
 from agentenv.runtime.network import NetworkError, SandboxNetwork
 from tests.support import unique_id
 
@@ -57,14 +57,20 @@ def connect_in(netns: str, host: str, port: int) -> bool:
 
 
 def tagged_rules(net: SandboxNetwork) -> dict[str, list[str]]:
-    """table -> the rules of chain AGENTENV tagged with ``net``'s netns, as ``iptables -S`` shows them."""
+    """table -> the rules of chain AGENTENV tagged with ``net``'s netns, as ``iptables -S`` shows them
+    (``nat-pre``: those of AGENTENV-PRE, the nat PREROUTING chain)."""
+    chains = {
+        "filter": ("filter", network.CHAIN),
+        "nat": ("nat", network.CHAIN),
+        "nat-pre": ("nat", network.PRE_CHAIN),
+    }
     return {
-        table: [
+        key: [
             line
-            for line in sh("iptables", "-t", table, "-S", network.CHAIN).splitlines()
+            for line in sh("iptables", "-t", table, "-S", chain).splitlines()
             if f"--comment {net.netns} " in line + " " or f'--comment "{net.netns}" ' in line + " "
         ]
-        for table in ("filter", "nat")
+        for key, (table, chain) in chains.items()
     }
 
 
@@ -73,6 +79,9 @@ def expected_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[str]]:
     hif = net.host_if
     filter_rules = [
         f"-A AGENTENV -i {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
+        # Only what the redirect chain sent to the egress proxy enters the host.
+        f"-A AGENTENV -i {hif} -p tcp -m conntrack --ctstate DNAT --ctorigdstport 80 {tag} -j ACCEPT",
+        f"-A AGENTENV -i {hif} -p tcp -m conntrack --ctstate DNAT --ctorigdstport 443 {tag} -j ACCEPT",
         f"-A AGENTENV -i {hif} -m addrtype --dst-type LOCAL {tag} -j DROP",
         f"-A AGENTENV -d {subnet} -i {hif} {tag} -j DROP",
         f"-A AGENTENV -i {hif} {tag} -j {network.egress_chain(net)}",
@@ -80,7 +89,8 @@ def expected_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[str]]:
         f"-A AGENTENV -o {hif} {tag} -j DROP",
     ]
     nat = [f"-A AGENTENV -s {net.sandbox_ip}/32 ! -d {subnet} {tag} -j MASQUERADE"]
-    return {"filter": filter_rules, "nat": nat}
+    pre = [f"-A AGENTENV-PRE -i {hif} -p tcp {tag} -j {network.redirect_chain(net)}"]
+    return {"filter": filter_rules, "nat": nat, "nat-pre": pre}
 
 
 def expected_egress(net: SandboxNetwork) -> list[str]:
@@ -102,6 +112,7 @@ def assert_gone(settings: Settings, net: SandboxNetwork) -> None:
     everything = sh("iptables-save")
     assert f"--comment {net.netns}" not in everything and f'--comment "{net.netns}"' not in everything
     assert f":{network.egress_chain(net)} " not in everything
+    assert f":{network.redirect_chain(net)} " not in everything
     assert not Path(net.netns_path).exists()
     assert not Path(f"/sys/class/net/{net.host_if}").exists()
     assert net.sandbox_id not in network.claimed_slots(settings)
@@ -234,6 +245,13 @@ async def test_exact_state_after_setup_and_nothing_after_teardown(
     nets.append(net)
     assert tagged_rules(net) == expected_rules(net, settings.sandbox_subnet)
     assert sh("iptables", "-S", network.egress_chain(net)).splitlines() == expected_egress(net)
+    # Without domain rules the redirect chain is empty: nothing goes to the egress proxy.
+    redirect = network.redirect_chain(net)
+    assert sh("iptables", "-t", "nat", "-S", redirect).splitlines() == [f"-N {redirect}"]
+    assert (
+        "-A PREROUTING -i aeh+ -j AGENTENV-PRE"
+        in sh("iptables", "-t", "nat", "-S", "PREROUTING").splitlines()
+    )
     # The hooks into the chains (shared by every sandbox) are there.
     assert "-A INPUT -i aeh+ -j AGENTENV" in sh("iptables", "-S", "INPUT").splitlines()
     assert "-A FORWARD -j AGENTENV" in sh("iptables", "-S", "FORWARD").splitlines()
@@ -396,3 +414,41 @@ async def test_readdress(settings: Settings, nets: list[SandboxNetwork]) -> None
         inside = sh("ip", "-n", net.netns, "-o", "addr", "show", "dev", net.sandbox_if)
         assert f"{net.sandbox_ip}/30" in inside
         assert f"default via {net.host_ip} dev {net.sandbox_if}" in sh("ip", "-n", net.netns, "route")
+
+
+async def test_domain_rules_redirect_to_the_proxy_and_updates_replace_them(
+    settings: Settings, nets: list[SandboxNetwork]
+) -> None:
+    policy = network.parse_egress(["example.com", "198.51.100.0/24"], ["0.0.0.0/0"])
+    net = await network.setup_network(settings, unique_id("d"), allow_internet_access=True, egress=policy)
+    nets.append(net)
+    try:
+        proxy = await egress_proxy.ensure_started(settings)
+        redirect = network.redirect_chain(net)
+        assert sh("iptables", "-t", "nat", "-S", redirect).splitlines() == [
+            f"-N {redirect}",
+            f"-A {redirect} -m addrtype --dst-type LOCAL -j RETURN",
+            f"-A {redirect} -d {settings.sandbox_subnet} -j RETURN",
+            f"-A {redirect} -d 198.51.100.0/24 -j RETURN",
+            f"-A {redirect} -p tcp -m multiport --dports 80,443 -j REDIRECT --to-ports {proxy.port}",
+        ]
+        egress = sh("iptables", "-S", network.egress_chain(net))
+        assert f"-A {network.egress_chain(net)} -d 8.8.8.8/32 -p udp -m udp --dport 53 -j ACCEPT" in egress
+        published = proxy.policy_for(net.sandbox_ip)
+        assert published is not None and published.domains == ("example.com",)
+
+        await network.update_egress(
+            settings, net, allow_internet_access=True, egress=network.parse_egress(["1.2.3.4"], None)
+        )
+        assert sh("iptables", "-t", "nat", "-S", redirect).splitlines() == [f"-N {redirect}"]
+        assert proxy.policy_for(net.sandbox_ip) is None
+        await network.update_egress(settings, net, allow_internet_access=False, egress=policy)
+        assert len(sh("iptables", "-t", "nat", "-S", redirect).splitlines()) == 5
+        assert proxy.policy_for(net.sandbox_ip) is not None
+
+        await network.teardown_network(settings, net.sandbox_id, net)
+        assert_gone(settings, net)
+        assert proxy.policy_for(net.sandbox_ip) is None
+        assert not egress_proxy.has_policies(settings)
+    finally:
+        await egress_proxy.stop()

@@ -3,8 +3,11 @@
 
 * the official e2b SDK through a real ``agentenv serve`` (AGENTENV_RUNTIME=qemu): command,
   file write + read, ``uname -r`` is the Debian cloud kernel of the pipeline, kill leaves nothing;
-* snapshot (QEMU migration to a file + reflinked upper drive) and restore into another sandbox
-  with the guest's memory state (same kernel boot id, same process) and disk preserved;
+* snapshot (reflink clones of the guest's RAM file and upper drive + QEMU's device state) and
+  restore into other sandboxes, through a pre-started QEMU (a spare) and without one, with the
+  guest's memory state (same kernel boot id, same process) and disk preserved; a restored
+  guest's memory is private (its writes reach neither the snapshot's RAM file nor a sibling's);
+* the earlier path (``memory=stream``: RAM migrated to a file and read back) still restores;
 * the lifecycle through the server with the SDK: pause/resume, snapshot -> new sandboxes, fork.
 
 TCG boots are slow (a python envd starting on an emulated CPU): each VM takes 1-3 minutes.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -29,8 +33,9 @@ from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from agentenv.config import Settings
+from agentenv.config import QemuSettings, Settings
 from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
+from agentenv.runtime.qemu.spares import Shape
 from agentenv.storage import images
 from agentenv.storage.reflink import ReflinkPool
 from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
@@ -112,10 +117,14 @@ def test_extract_vmlinux_rejects_garbage() -> None:
         images.extract_vmlinux(b"\0" * 4096)
 
 
-def _host_leftovers(settings: Settings, sandbox_id: str) -> dict[str, object]:
+def _host_leftovers(
+    settings: Settings, sandbox_id: str, state: dict[str, Any] | None = None
+) -> dict[str, object]:
     paths = vm_paths(settings, sandbox_id)
+    # A VM that was a spare names the spare's directory, not the sandbox's, on its command line.
+    owner = (state or {}).get("vm_owner") or str(paths.root)
     found: dict[str, object] = {
-        "qemu": leaks.processes("qemu-system", str(paths.root)),
+        "qemu": leaks.processes("qemu-system", owner),
         "netns": leaks.netns_exists(sandbox_id),
         "dir": paths.root.exists(),
         "upper": paths.upper.exists(),
@@ -175,13 +184,43 @@ def _envd_sdk(instance: SandboxInstance) -> Sandbox:
     )
 
 
+def _ram_holds(ram: Path, marker: bytes) -> bool:
+    with open(ram, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(marker) != -1
+
+
+def _hold_in_memory(instance: SandboxInstance, marker: str) -> None:
+    """A guest process that holds ``marker`` in its heap (never on disk) until killed."""
+    program = (
+        f"import time; b = bytearray(b'{marker}') * 4096; open('/tmp/held', 'w').close(); time.sleep(1e6)"
+    )
+    command = f'nohup python3 -c "{program}" >/dev/null 2>&1 & while [ ! -e /tmp/held ]; do sleep 0.1; done'
+    _envd_sdk(instance).commands.run(command, timeout=120, request_timeout=120)
+
+
+def _assert_memory_private(
+    runtime: QemuRuntime, child: SandboxInstance, sibling: SandboxInstance, snap: SnapshotRef
+) -> None:
+    """The child's writes land in its own RAM file only (positive control: they are there)."""
+    marker = f"ae-private-{unique_id('m')}-"
+    _hold_in_memory(child, marker)
+    own, other = (vm_paths(runtime.settings, i.sandbox_id).ram for i in (child, sibling))
+    assert _ram_holds(own, marker.encode())
+    assert not _ram_holds(other, marker.encode())
+    assert not _ram_holds((snap.path / "memory.ram").resolve(), marker.encode())
+    assert os.stat(own).st_ino != os.stat(other).st_ino
+
+
 def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, base: TemplateImage) -> None:
     runtime = QemuRuntime(qemu_settings)
-    original_id, restored_id = unique_id("q"), unique_id("q")
+    # The sibling restores without a spare: a QEMU started for it, on a clone made before.
+    no_spares = QemuRuntime(qemu_settings.model_copy(update={"qemu": QemuSettings(prespawn=0)}))
+    original_id, restored_id, sibling_id = unique_id("q"), unique_id("q"), unique_id("q")
 
     async def scenario() -> None:
         original = await runtime.create(SandboxSpec(sandbox_id=original_id, template=base))
         restored: SandboxInstance | None = None
+        sibling: SandboxInstance | None = None
         try:
             sbx = _envd_sdk(original)
             sbx.files.write("/root/state.txt", "before snapshot\n", user="root", request_timeout=120)
@@ -194,25 +233,75 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
             ).stdout
             snap = SnapshotRef(unique_id("s"), qemu_settings.data_dir / "snapshots" / "s1")
             await runtime.snapshot(original, snap, stop=False)
-            assert (snap.path / "memory.bin").stat().st_size > 1 << 20
+            # RAM is a reflink clone of the VM's RAM file; memory.bin holds device state only.
+            assert (snap.path / "memory.ram").resolve().stat().st_size == base.memory_mb << 20
+            assert (snap.path / "memory.bin").stat().st_size < 1 << 20
             # The original keeps running and diverges; the restore must not see that.
             sbx.files.write("/root/state.txt", "after snapshot\n", user="root", request_timeout=120)
             await runtime.kill(original)
             assert _host_leftovers(qemu_settings, original_id) == {}
+            assert await runtime.spares.wait_ready(Shape(*_shape(runtime, original)), 1, 60)
             restored = await runtime.restore(SandboxSpec(sandbox_id=restored_id, template=base), snap)
-            rsbx = _envd_sdk(restored)
-            after = rsbx.commands.run(
-                "cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60
-            ).stdout
-            assert after == before  # same kernel instance (no reboot), same process
-            assert rsbx.files.read("/root/state.txt", user="root", request_timeout=120) == "before snapshot\n"
+            assert restored.state.get("vm_owner")  # it was a spare
+            sibling = await no_spares.restore(SandboxSpec(sandbox_id=sibling_id, template=base), snap)
+            assert "vm_owner" not in sibling.state
+            for instance in (restored, sibling):
+                rsbx = _envd_sdk(instance)
+                after = rsbx.commands.run(
+                    "cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60
+                ).stdout
+                assert after == before  # same kernel instance (no reboot), same process
+                state = rsbx.files.read("/root/state.txt", user="root", request_timeout=120)
+                assert state == "before snapshot\n"
+            _assert_memory_private(runtime, restored, sibling, snap)
+            await no_spares.kill(sibling)
+            assert _host_leftovers(qemu_settings, sibling_id) == {}
             await _freeze_and_thaw(runtime, restored, before=before)
             restored = await _pause_and_resume(runtime, restored, base, parent=snap, before=before)
         finally:
             await runtime.kill(original)
+            for vm in (restored, sibling):
+                if vm is not None:
+                    await runtime.kill(vm)
+            await runtime.stop_prestarted()
+        assert restored is not None
+        assert _host_leftovers(qemu_settings, restored_id, restored.state) == {}
+        assert leaks.processes("qemu-system", str(qemu_settings.data_dir / "qemu-spares")) == []
+
+    asyncio.run(scenario())
+
+
+def _shape(runtime: QemuRuntime, instance: SandboxInstance) -> tuple[images.GuestImages, int, int]:
+    state = instance.state
+    return images.GuestImages.from_json(state["images"]), int(state["vcpus"]), int(state["memory_mb"])
+
+
+def test_stream_memory_restore(qemu_settings: Settings, base: TemplateImage) -> None:
+    """``memory=stream`` (the path before RAM files, kept for the bench): RAM goes through the
+    migration file and back; the restored guest is the same kernel and processes."""
+    settings = qemu_settings.model_copy(update={"qemu": QemuSettings(memory="stream", prespawn=0)})
+    runtime = QemuRuntime(settings)
+
+    async def scenario() -> None:
+        original = await runtime.create(SandboxSpec(sandbox_id=unique_id("q"), template=base))
+        restored: SandboxInstance | None = None
+        try:
+            probe = "cat /proc/sys/kernel/random/boot_id; pgrep -x sleep"
+            sbx = _envd_sdk(original)
+            sbx.commands.run(
+                "sleep 100000 >/dev/null 2>&1 &", background=True, timeout=60, request_timeout=60
+            )
+            before = sbx.commands.run(probe, timeout=60, request_timeout=60).stdout
+            snap = SnapshotRef(unique_id("s"), settings.data_dir / "snapshots" / "stream")
+            await runtime.snapshot(original, snap, stop=True)
+            assert not (snap.path / "memory.ram").exists()
+            assert (snap.path / "memory.bin").stat().st_size > 1 << 20
+            restored = await runtime.restore(SandboxSpec(sandbox_id=unique_id("q"), template=base), snap)
+            assert _envd_sdk(restored).commands.run(probe, timeout=60, request_timeout=60).stdout == before
+        finally:
+            await runtime.kill(original)
             if restored is not None:
                 await runtime.kill(restored)
-        assert _host_leftovers(qemu_settings, restored_id) == {}
 
     asyncio.run(scenario())
 
@@ -248,7 +337,7 @@ async def _pause_and_resume(
     pause = SnapshotRef(unique_id("p"), runtime.settings.data_dir / "snapshots" / "pause", parent=parent)
     await runtime.snapshot(instance, pause, stop=True)
     assert json.loads((pause.path / "vm.json").read_text())["accel"] == runtime.accel
-    left = _host_leftovers(runtime.settings, instance.sandbox_id)
+    left = _host_leftovers(runtime.settings, instance.sandbox_id, instance.state)
     assert left == {"netns": True, "dir": True}, left  # the VM and its drive went, the network stayed
     assert not await runtime.is_alive(instance)
     resumed = await runtime.restore(SandboxSpec(sandbox_id=instance.sandbox_id, template=template), pause)

@@ -25,7 +25,8 @@ from agentenv.orchestrator.undo import Undo
 from agentenv.types import SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+#: Every test on both registry backends (the default SQLite file, and PostgreSQL).
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.usefixtures("registry_backend")]
 
 TRANSIENT = {SandboxState.CREATING, SandboxState.PAUSING, SandboxState.RESUMING, SandboxState.KILLING}
 

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiosqlite
 import pytest
 import pytest_asyncio
 
@@ -25,8 +24,10 @@ from agentenv.orchestrator.background import Background
 from agentenv.orchestrator.catalog import SnapshotCatalog
 from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.storage import snapshots as storage
+from agentenv.storage.db import Registry, open_registry_at
 from agentenv.storage.objectstore import DirectoryBackend, S3Backend, SnapshotObjects
 from agentenv.storage.snapshots import SnapshotRow
+from tests.support.postgres import BACKENDS, PostgresCluster
 from tests.support.s3 import S3Server, s3_server
 
 ASYNC = pytest.mark.asyncio(loop_scope="session")
@@ -236,8 +237,10 @@ def test_bad_names_are_refused(tmp_path: Path) -> None:
 class Node:
     """One node's snapshot catalog on its own data dir and registry, sharing ``bucket``."""
 
-    def __init__(self, data_dir: Path, settings: S3Settings) -> None:
+    def __init__(self, data_dir: Path, settings: S3Settings, registry_url: str = "") -> None:
         self.data_dir = data_dir
+        #: Empty: the node's own SQLite file; else a shared database (the node's id is its dir's name).
+        self.registry_url = registry_url
         self.background = Background()
         objects = SnapshotObjects.from_settings(settings)
         assert objects is not None
@@ -250,12 +253,12 @@ class Node:
             background=self.background,
         )
         self.catalog = SnapshotCatalog(data_dir, durable=self.durable)
-        self.db: aiosqlite.Connection | None = None
+        self.db: Registry | None = None
 
     async def open(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.db = await aiosqlite.connect(self.data_dir / "db.sqlite3")
-        self.db.row_factory = aiosqlite.Row
+        url = self.registry_url or f"sqlite+aiosqlite:///{self.data_dir / 'db.sqlite3'}"
+        self.db = await open_registry_at(url, self.data_dir.name, shared=bool(self.registry_url))
         await self.catalog.open(self.db)
         await self.catalog.sweep({})
 
@@ -279,13 +282,33 @@ class Node:
         await self.db.close()
 
 
+@pytest.fixture(params=BACKENDS)
+def registry_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest_asyncio.fixture(loop_scope="session")
-async def node_factory(s3: S3Server, tmp_path: Path) -> AsyncIterator[Any]:
+async def node_factory(
+    s3: S3Server, tmp_path: Path, request: pytest.FixtureRequest, registry_kind: str
+) -> AsyncIterator[Any]:
+    """Nodes sharing a bucket, each with its own registry (a SQLite file, or its own PostgreSQL
+    database); ``shared=True``: all such nodes share one PostgreSQL registry, as a cluster's do."""
     nodes: list[Node] = []
     bucket = s3.new_bucket()
+    shared_url = ""
 
-    async def make(name: str, **settings: Any) -> Node:
-        node = Node(tmp_path / name, s3.settings(bucket, gc_grace_seconds=0, **settings))
+    def registry(shared: bool) -> str:
+        nonlocal shared_url
+        if registry_kind == "sqlite" and not shared:
+            return ""
+        cluster: PostgresCluster = request.getfixturevalue("postgres")
+        if not shared:
+            return cluster.new_database()
+        shared_url = shared_url or cluster.new_database()
+        return shared_url
+
+    async def make(name: str, shared: bool = False, **settings: Any) -> Node:
+        node = Node(tmp_path / name, s3.settings(bucket, gc_grace_seconds=0, **settings), registry(shared))
         await node.open()
         nodes.append(node)
         return node
@@ -442,3 +465,60 @@ async def test_an_unreachable_store_leaves_the_snapshot_usable_here_and_refuses_
         assert await node.catalog.find_user_snapshot(snap_id()) is None
     finally:
         await node.close()
+
+
+@ASYNC
+@pytest.mark.parametrize("registry_kind", ["postgresql"], indirect=True)
+async def test_nodes_sharing_a_registry_restore_each_others_snapshots_with_copies_of_their_own(
+    node_factory: Any,
+) -> None:
+    """A cluster: one registry row per snapshot, one copy row per node that holds it."""
+    a = await node_factory("a", shared=True)
+    b = await node_factory("b", shared=True)
+    lid = layer_id()
+    memory = os.urandom(3 * CHUNK)
+    row = await a.commit(snap_id(), memory, {lid: {"f": b"from a"}})
+    await a.settle()
+    found = await b.catalog.find_user_snapshot(row.snapshot_id)
+    assert found is not None and found.snapshot_id == row.snapshot_id
+    assert await b.catalog.storage_info(row.snapshot_id) is None  # no copy on b yet
+    async with b.catalog.use(found) as ref:
+        assert (ref.path / "memory" / "pages.img").read_bytes() == memory
+    info_b = await b.catalog.storage_info(row.snapshot_id)
+    info_a = await a.catalog.storage_info(row.snapshot_id)
+    assert info_b is not None and info_b["durable"] and info_b["cached"]
+    assert info_a is not None and info_a["durable"] and info_a["cached"]
+    # A restart of b sweeps nothing of a's: the row stays, and so does b's copy.
+    await b.catalog.sweep({})
+    assert await a.catalog.get(row.snapshot_id) is not None
+    assert (b.data_dir / "snapshots" / row.snapshot_id).is_dir()
+
+
+@ASYNC
+@pytest.mark.parametrize("registry_kind", ["postgresql"], indirect=True)
+async def test_a_shared_row_restores_on_another_node_over_that_nodes_template_build(
+    node_factory: Any,
+) -> None:
+    """The row names a's template directory; b, restoring it, fetches the build and its meta points
+    at b's copy (the row stays a's)."""
+    a = await node_factory("a", shared=True, upload_templates=True)
+    rootfs = make_template(a.data_dir / "templates", "2026-12-03T13:53:02")
+    sid = snap_id()
+    write_snapshot(a.data_dir, sid, os.urandom(CHUNK), [])
+    (a.data_dir / "snapshots" / sid / "meta.json").write_text(
+        f'{{"format": 2, "layers": [], "template_rootfs": "{rootfs}"}}'
+    )
+    row = row_of(sid, name="tpl-shared")
+    row.info["template_rootfs"] = str(rootfs)
+    await a.catalog.store.add(row)
+    await a.durable.committed(row)
+    await a.settle()
+    original = rootfs.parent.parent.rename(a.data_dir / "templates-elsewhere") / "base" / "rootfs"
+    b = await node_factory("b", shared=True)
+    found = await b.catalog.find_user_snapshot("tpl-shared")
+    assert found is not None and found.node_id == "a" and found.info["template_rootfs"] == str(rootfs)
+    async with b.catalog.use(found) as ref:
+        meta = (ref.path / "meta.json").read_text()
+        fetched = b.data_dir / "store-templates"
+        assert f'"template_rootfs": "{fetched}' in meta
+        assert tree(next(fetched.iterdir()) / "rootfs") == tree(original)

@@ -1,14 +1,16 @@
-"""Snapshot directories and registry rows: atomic commit, sweep of crash leftovers, delete."""
+"""Snapshot directories and registry rows: atomic commit, sweep of crash leftovers, delete (on
+SQLite and PostgreSQL: ``registry_url``, tests/support/postgres.py)."""
 
 from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
+from typing import Any
 
-import aiosqlite
 import pytest
 
 from agentenv.storage import snapshots as storage
+from agentenv.storage.db import Registry, open_registry_at
 from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -26,16 +28,15 @@ def row(snapshot_id: str, name: str | None = None) -> SnapshotRow:
     )
 
 
-async def make_store(tmp_path: Path) -> tuple[SnapshotStore, aiosqlite.Connection]:
-    db = await aiosqlite.connect(tmp_path / "db.sqlite3")
-    db.row_factory = aiosqlite.Row
+async def make_store(url: str, tmp_path: Path, node: str = "node-a") -> tuple[SnapshotStore, Registry]:
+    db = await open_registry_at(url, node, shared=not url.startswith("sqlite"))
     store = SnapshotStore(db, tmp_path)
     await store.open()
     return store, db
 
 
-async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Path) -> None:
-    store, db = await make_store(tmp_path)
+async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Path, registry_url: str) -> None:
+    store, db = await make_store(registry_url, tmp_path)
     try:
         temp = storage.temp_ref(tmp_path, "snapA")
         temp.path.mkdir()
@@ -59,8 +60,8 @@ async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Pat
         await db.close()
 
 
-async def test_delete_removes_row_and_dir(tmp_path: Path) -> None:
-    store, db = await make_store(tmp_path)
+async def test_delete_removes_row_and_dir(tmp_path: Path, registry_url: str) -> None:
+    store, db = await make_store(registry_url, tmp_path)
     try:
         for sid in ("s1", "s2"):
             (tmp_path / "snapshots" / sid).mkdir(parents=True)
@@ -71,3 +72,27 @@ async def test_delete_removes_row_and_dir(tmp_path: Path) -> None:
         assert [p.name for p in (tmp_path / "snapshots").iterdir()] == ["s2"]
     finally:
         await db.close()
+
+
+async def test_the_sweep_drops_only_this_nodes_rows_without_a_directory(
+    tmp_path: Path, postgres: Any
+) -> None:
+    """Two nodes on one shared registry: a's snapshots have no directory on b's disk, and b's
+    start-up sweep must leave their rows (and b's local copy of a's snapshot) alone."""
+    url = postgres.new_database()
+    a, a_db = await make_store(url, tmp_path / "a", "node-a")
+    b, b_db = await make_store(url, tmp_path / "b", "node-b")
+    try:
+        for store, sid in ((a, "fromA"), (a, "copiedToB"), (b, "fromB"), (b, "lostOnB")):
+            (store.data_dir / "snapshots" / sid).mkdir(parents=True)
+            await store.add(row(sid))
+        (b.data_dir / "snapshots" / "copiedToB").mkdir()  # b fetched a's durable snapshot
+        storage.remove_dir(b.data_dir / "snapshots" / "lostOnB")
+        assert sorted(await b.sweep_incomplete()) == ["lostOnB"]
+        assert {r.snapshot_id for r in await a.rows()} == {"fromA", "copiedToB", "fromB"}
+        assert (b.data_dir / "snapshots" / "copiedToB").is_dir()
+        assert [r.snapshot_id for r in await a.rows(mine=True)] == ["copiedToB", "fromA"]
+        assert await a.sweep_incomplete() == []
+    finally:
+        await a_db.close()
+        await b_db.close()

@@ -7,13 +7,21 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agentenv.config import Settings
 from agentenv.errors import Forbidden, Invalid
 from agentenv.orchestrator import templates
-from agentenv.orchestrator.builder import BuildSpec, BuildStep, RegistryAuth, TemplateBuilder, _resolve
+from agentenv.orchestrator.builder import (
+    BuildSpec,
+    BuildStep,
+    RegistryAuth,
+    TemplateBuilder,
+    _resolve,
+    step_keys,
+)
 from agentenv.orchestrator.runtimes import RuntimeSet
 from agentenv.storage import templates as storage
 from agentenv.storage.images import oci_reference
@@ -125,13 +133,119 @@ def test_publish_tags_and_delete(settings: Settings, tmp_path: Path) -> None:
     assert info.start is not None and (info.start.start_cmd, info.start.user) == ("serve", "root")
     publish("b2", ["v2"])
     assert (templates.load("tpl", settings).image.rootfs / "marker").read_text() == "b2"
-    with pytest.raises(templates.TemplateNotFound):  # only the newest build is kept
-        templates.load("tpl:v1", settings)
+    # The older build is kept while a tag names it: its tag resolves to its own root and start.
+    old = templates.load("tpl:v1", settings)
+    assert old.build_id == "b1" and (old.image.rootfs / "marker").read_text() == "b1"
+    assert old.image.template_id == "tpl" and old.start is not None and old.start.start_cmd == "serve"
+    assert [m["build_id"] for m in storage.kept_builds("tpl", settings)] == ["b1"]
+    assert storage.build_metadata("tpl", "b1", settings) is not None
     storage.set_tags("tpl", settings, {"prod": "b2"}, ["v1"])
     assert set(storage.read_metadata("tpl", settings)["tags"]) == {"v2", "prod"}
+    with pytest.raises(templates.TemplateNotFound):  # the tag is gone (the build stays a while)
+        templates.load("tpl:v1", settings)
+    # The template's rootfs is a link to the current build's, which never moves.
+    current = templates.load("tpl", settings).image.rootfs
+    assert (settings.templates_dir / "tpl" / "rootfs").resolve() == current
     assert templates.load("tpl:prod", settings).build_id == "b2"
     assert json.loads((settings.templates_dir / "tpl" / "template.json").read_text())["build_id"] == "b2"
     storage.delete_template("tpl", settings)
     assert not storage.is_built("tpl", settings)
     with pytest.raises(templates.TemplateNotFound):
         templates.load("tpl", settings)
+
+
+def test_untagged_builds_stay_a_while_then_go(settings: Settings) -> None:
+    roots = {}
+    for build_id in ("b1", "b2", "b3", "b4"):
+        staging = storage.build_staging("tpl", build_id, settings)
+        (staging / "rootfs").mkdir()
+        meta = {"build_id": build_id, "new_tags": ["default"]}
+        roots[build_id] = storage.publish_build("tpl", staging / "rootfs", meta, settings).rootfs
+    # "default" moved on each time: b1..b3 are named by nothing; the newest two of them stay.
+    assert [m["build_id"] for m in storage.kept_builds("tpl", settings)] == ["b2", "b3"]
+    assert not roots["b1"].exists() and roots["b2"].is_dir() and roots["b3"].is_dir()
+    assert templates.load("tpl:default", settings).build_id == "b4"
+    assert storage.kept_build_dir("tpl", "b2", settings) / "rootfs" == roots["b2"]  # never moved
+
+
+def test_step_keys_chain_every_earlier_step() -> None:
+    steps = [BuildStep("ENV", ["A", "1"]), BuildStep("RUN", ["make"]), BuildStep("COPY", ["a", "/b"], "h1")]
+    keys = step_keys("base-key", steps)
+    assert len(set(keys)) == 3 and step_keys("base-key", steps) == keys
+    # A change anywhere changes that step's key and every later one, never an earlier one.
+    changed = step_keys("base-key", [steps[0], BuildStep("RUN", ["make all"]), steps[2]])
+    assert changed[0] == keys[0] and changed[1] != keys[1] and changed[2] != keys[2]
+    other_files = step_keys("base-key", [*steps[:2], BuildStep("COPY", ["a", "/b"], "h2")])
+    assert other_files[:2] == keys[:2] and other_files[2] != keys[2]
+    assert step_keys("another-base", steps)[0] != keys[0]
+    assert step_keys(None, steps) == []
+
+
+def _publish_layer(settings: Settings, template_id: str, build_id: str, layer_key: str) -> None:
+    staging = storage.build_staging(template_id, build_id, settings)
+    (staging / "rootfs").mkdir()
+    (staging / "rootfs" / "built-by").write_text(build_id)
+    meta = {
+        "build_id": build_id,
+        "layer_key": layer_key,
+        "user": "root",
+        "workdir": "/srv",
+        "envs": {"A": "1"},
+        "new_tags": ["default"],
+    }
+    storage.publish_build(template_id, staging / "rootfs", meta, settings)
+
+
+def test_cache_takes_the_longest_cached_run_of_steps(settings: Settings, builder: TemplateBuilder) -> None:
+    steps = [BuildStep("RUN", ["one"]), BuildStep("RUN", ["two"]), BuildStep("RUN", ["three"])]
+    keys = step_keys("k0", steps)
+    _publish_layer(settings, "first", "b1", keys[1])  # a build of the first two steps
+    build = builder.request("second", [], None, None)
+    hit = builder._cached(build, BuildSpec(from_template="base", steps=steps), keys)
+    assert hit is not None and hit.steps == 2
+    assert (hit.image.rootfs / "built-by").read_text() == "b1"
+    assert (hit.ctx.user, hit.ctx.workdir, hit.ctx.envs) == ("root", "/srv", {"A": "1"})
+    assert [e.message for e in build.logs] == [
+        "CACHED FROM base",
+        "CACHED [builder 1/3] RUN one",
+        "CACHED [builder 2/3] RUN two",
+    ]
+    # skip_cache() before step 2 (the SDK sets force from there on), or force on the whole build.
+    forced = [steps[0], BuildStep("RUN", ["two"], force=True), BuildStep("RUN", ["three"], force=True)]
+    assert builder._cached(build, BuildSpec(from_template="base", steps=forced), keys) is None
+    assert builder._cached(build, BuildSpec(from_template="base", steps=steps, force=True), keys) is None
+    # The whole build cached: its root is shared (hard links), not copied.
+    _publish_layer(settings, "first", "b2", keys[2])
+    full = builder._cached(build, BuildSpec(from_template="base", steps=steps), keys)
+    assert full is not None and full.steps == 3
+    dest = settings.templates_dir / "shared"
+    dest.mkdir()
+    storage.share_layer(full.image.rootfs, dest)
+    assert (dest / "built-by").stat().st_ino == (full.image.rootfs / "built-by").stat().st_ino
+
+
+def test_skip_cache_from_the_sdk_forces_its_step_and_the_rest(
+    settings: Settings, builder: TemplateBuilder
+) -> None:
+    from e2b import Template
+
+    from agentenv.api.routes_templates import build_spec
+    from agentenv.api.schemas import TemplateBuildStartV2
+
+    def spec_of(template: Any) -> BuildSpec:
+        return build_spec(TemplateBuildStartV2.model_validate_json(Template.to_json(template)))
+
+    plain = spec_of(Template().from_template("base").run_cmd("one").run_cmd("two").run_cmd("three"))
+    keys = step_keys("k0", plain.steps)
+    _publish_layer(settings, "first", "b1", keys[2])
+    build = builder.request("second", [], None, None)
+    hit = builder._cached(build, plain, keys)
+    assert hit is not None and hit.steps == 3
+    skipped = spec_of(
+        Template().from_template("base").run_cmd("one").skip_cache().run_cmd("two").run_cmd("three")
+    )
+    assert step_keys("k0", skipped.steps) == keys  # force is no part of the key...
+    assert builder._cached(build, skipped, keys) is None  # ...but nothing from step 2 is reused
+    _publish_layer(settings, "first", "b2", keys[0])
+    again = builder._cached(build, skipped, keys)
+    assert again is not None and again.steps == 1

@@ -38,14 +38,22 @@ def snapshot_disk(settings: Settings, upper: Path, dest: SnapshotRef) -> Path:
     symlink to it. The layer's ``owner`` file names the directory that holds ``dest.path``: the
     orchestrator renames snapshot directories there (temp -> committed -> deleting), so the layer
     is in use exactly while some directory there links to it (:func:`remove_orphan_snapshot_disks`)."""
-    pool = ReflinkPool(settings.data_dir)
-    layer = pool.root / "snapshots" / dest.snapshot_id / SNAPSHOT_UPPER
-    pool.clone(upper, layer)
-    link = dest.path / SNAPSHOT_UPPER
-    link.unlink(missing_ok=True)
-    link.symlink_to(layer)
+    layer = snapshot_layer_file(settings, upper, dest, SNAPSHOT_UPPER)
     # Written last: a layer without an owner is never collected (it is being made).
     write_atomic(layer.parent / "owner", str(dest.path.resolve().parent) + "\n")
+    return layer
+
+
+def snapshot_layer_file(settings: Settings, src: Path, dest: SnapshotRef, name: str) -> Path:
+    """Reflink-clone ``src`` into snapshot ``dest``'s layer directory as ``name`` and link
+    ``dest.path/name`` to it. Other files of a snapshot (a VM's RAM file) are cloned before
+    :func:`snapshot_disk`, which writes the layer's owner: the whole directory is one layer."""
+    pool = ReflinkPool(settings.data_dir)
+    layer = pool.root / "snapshots" / dest.snapshot_id / name
+    pool.clone(src, layer)
+    link = dest.path / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(layer)
     return layer
 
 

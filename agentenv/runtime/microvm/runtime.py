@@ -245,6 +245,12 @@ class MicroVmRuntime(Runtime, Generic[P]):
         """(pid, ``argv[0]`` part) of every process a VM runs on the host."""
         return [(state.get("pid"), self.process_name)]
 
+    def _vm_owner(self, state: dict[str, Any], paths: P) -> str:
+        """A string every VM process of the sandbox has in its command line (pid checks: a
+        recycled pid is not ours). A VMM started ahead of its sandbox names the directory it was
+        started in (``state["vm_owner"]``)."""
+        return str(state.get("vm_owner") or paths.root)
+
     # -- start --------------------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec) -> SandboxInstance:
@@ -294,7 +300,8 @@ class MicroVmRuntime(Runtime, Generic[P]):
         snapshot_dir = boot.snapshot.path if boot.snapshot else None
         await asyncio.to_thread(prepare_upper, self.settings, boot.images, snapshot_dir, paths.upper)
         phases.mark("disk")
-        net = kept or await self._plug_network(spec, paths, state)
+        vmm_tap = self._vmm_brings_tap(spec.sandbox_id, boot, kept=kept is not None)
+        net = kept or await self._plug_network(spec, paths, state, tap_device=not vmm_tap)
         phases.mark("network")
         await self._launch(net, boot, paths, state, phases)
         url = f"http://{net.sandbox_ip}:{ENVD_PORT}"
@@ -304,7 +311,15 @@ class MicroVmRuntime(Runtime, Generic[P]):
         log.info("%s %s: %s in %s", self.name, spec.sandbox_id, what, phases.summary())
         return SandboxInstance(spec.sandbox_id, self.name, url, net.sandbox_ip, state)
 
-    async def _plug_network(self, spec: SandboxSpec, paths: P, state: dict[str, Any]) -> SandboxNetwork:
+    def _vmm_brings_tap(self, sandbox_id: str, boot: Boot, *, kept: bool) -> bool:
+        """Whether the VMM that will run ``boot`` has a tap of its own to move into the netns
+        (a pre-started one), so the network set-up creates none (``kept``: the network, and
+        its tap, are a paused sandbox's)."""
+        return False
+
+    async def _plug_network(
+        self, spec: SandboxSpec, paths: P, state: dict[str, Any], *, tap_device: bool = True
+    ) -> SandboxNetwork:
         net = await network.setup_network(
             self.settings,
             spec.sandbox_id,
@@ -313,14 +328,17 @@ class MicroVmRuntime(Runtime, Generic[P]):
         )
         state["network"] = net.to_state()
         write_marker(paths, state)
-        await vmnet.add_tap(self.settings, net)
+        if tap_device:
+            await vmnet.add_tap(self.settings, net)
+        else:
+            await vmnet.add_tap(self.settings, net, device=False)
         return net
 
     def _vm_alive(self, state: dict[str, Any], paths: P) -> Alive:
         """Asks whether the VM process ``state`` records is still running."""
 
         async def alive() -> bool:
-            return pid_alive(state.get("pid"), self.process_name, str(paths.root))
+            return pid_alive(state.get("pid"), self.process_name, self._vm_owner(state, paths))
 
         return alive
 
@@ -338,8 +356,9 @@ class MicroVmRuntime(Runtime, Generic[P]):
 
     async def halt(self, instance: SandboxInstance) -> None:
         paths = self.paths(instance.sandbox_id)
-        for pid, name in self._vm_processes(read_marker(paths) or instance.state, paths):
-            await kill_pid(pid, name, owner=str(paths.root))
+        state = read_marker(paths) or instance.state
+        for pid, name in self._vm_processes(state, paths):
+            await kill_pid(pid, name, owner=self._vm_owner(state, paths))
 
     async def _destroy(self, sandbox_id: str, state: dict[str, Any]) -> None:
         paths = self.paths(sandbox_id)
@@ -356,7 +375,7 @@ class MicroVmRuntime(Runtime, Generic[P]):
         """Kill the VM's processes, delete its drive directory and runtime files; the network and
         the sandbox directory stay."""
         for pid, name in self._vm_processes(state, paths):
-            await kill_pid(pid, name, owner=str(paths.root))
+            await kill_pid(pid, name, owner=self._vm_owner(state, paths))
         await asyncio.to_thread(ReflinkPool(self.settings.data_dir).remove_tree, paths.layer_dir)
         for leftover in paths.runtime_files:
             leftover.unlink(missing_ok=True)
@@ -373,7 +392,8 @@ class MicroVmRuntime(Runtime, Generic[P]):
 
     async def is_alive(self, instance: SandboxInstance) -> bool:
         paths = self.paths(instance.sandbox_id)
-        return pid_alive(instance.state.get("pid"), self.process_name, str(paths.root))
+        owner = self._vm_owner(instance.state, paths)
+        return pid_alive(instance.state.get("pid"), self.process_name, owner)
 
     async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
         state = instance.state

@@ -34,16 +34,16 @@ def guest_addresses(settings: Settings) -> tuple[str, str]:
     return str(ipaddress.ip_address(base + 1)), str(ipaddress.ip_address(base + 2))
 
 
-async def add_tap(settings: Settings, net: SandboxNetwork) -> str:
-    """Create ``tap0`` in the sandbox's netns, routed and NAT-ed to the sandbox address.
+async def add_tap(settings: Settings, net: SandboxNetwork, *, device: bool = True) -> str:
+    """Create ``tap0`` in the sandbox's netns, routed and NAT-ed to the sandbox address; without
+    ``device`` only the routing and NAT (a pre-started VMM brings its tap, :func:`adopt_tap`).
 
     Two processes (one ``ip -batch``, one shell running sysctl + ``iptables-restore``) instead of
     one per command: process start-up is most of what network set-up costs a restore."""
     gateway, guest = guest_addresses(settings)
-    links = (
-        f"tuntap add dev {TAP_NAME} mode tap\naddr add {gateway}/30 dev {TAP_NAME}\nlink set {TAP_NAME} up\n"
-    )
-    await network.run("ip", "-n", net.netns, "-batch", "-", input=links)
+    if device:
+        links = f"tuntap add dev {TAP_NAME} mode tap\n" + _tap_address(gateway)
+        await network.run("ip", "-n", net.netns, "-batch", "-", input=links)
     rules = (
         "*nat\n"
         f"-A PREROUTING -i {net.sandbox_if} -j DNAT --to-destination {guest}\n"
@@ -54,3 +54,30 @@ async def add_tap(settings: Settings, net: SandboxNetwork) -> str:
     script = "sysctl -q -w net.ipv4.ip_forward=1 && iptables-restore -w 10 --noflush"
     await network.run("ip", "netns", "exec", net.netns, "sh", "-c", script, input=rules)
     return TAP_NAME
+
+
+def _tap_address(gateway: str) -> str:
+    return f"addr add {gateway}/30 dev {TAP_NAME}\nlink set {TAP_NAME} up\n"
+
+
+async def add_host_tap(name: str) -> None:
+    """A persistent tap in the host's netns for a VMM started before its sandbox exists: the
+    VMM opens it at start, :func:`adopt_tap` later moves it (still open) into the sandbox's netns."""
+    await network.run("ip", "tuntap", "add", "dev", name, "mode", "tap")
+
+
+async def remove_host_tap(name: str) -> None:
+    await network.run("ip", "link", "del", name, check=False)
+
+
+async def adopt_tap(settings: Settings, net: SandboxNetwork, host_tap: str, *, replace: bool) -> None:
+    """Move ``host_tap`` (a pre-started VMM holds it open) into the sandbox's netns as ``tap0``
+    with the gateway address; ``replace``: a ``tap0`` is there already (a paused sandbox's
+    network keeps its own) and goes first. Routing and NAT name the sandbox interface, not the
+    tap: they stay. The move is one netlink request, but the kernel's netns change costs
+    ~15 ms of it (RCU grace periods), about half what it saves by not starting QEMU."""
+    gateway, _ = guest_addresses(settings)
+    if replace:
+        await network.run("ip", "-n", net.netns, "link", "del", TAP_NAME)
+    await network.run("ip", "link", "set", "dev", host_tap, "netns", net.netns, "name", TAP_NAME)
+    await network.run("ip", "-n", net.netns, "-batch", "-", input=_tap_address(gateway))

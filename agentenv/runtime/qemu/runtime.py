@@ -13,10 +13,22 @@ drive and the read-only envd drive (virtio-blk, identified by serial), and virti
 ``tap0`` inside the sandbox's netns (QEMU is started in that netns), see
 :mod:`agentenv.runtime.microvm.vmnet`.
 
-Snapshots are always full: a QEMU migration of RAM and device state to ``memory.bin`` (QEMU 7.2
-has no ``file:`` migration URI, so ``exec:cat``), taken while the vCPUs are stopped, plus a
-reflink clone of the upper drive at the same instant. Restore starts a QEMU with identical
-devices that reads the stream from the open memory file (``-incoming fd:N``).
+Guest RAM (``settings.qemu.memory``):
+
+* ``file`` (default): a ``memory-backend-file`` (``share=on``) on ``memory.ram`` in the drive
+  directory (:mod:`.memory`). A snapshot, taken while the vCPUs are stopped, is a reflink clone of
+  that file and of the upper drive plus QEMU's device state only (``memory.bin``, migrated with
+  the capability ``x-ignore-shared``, which skips shared RAM). A restore maps a reflink clone of
+  the snapshot's RAM file in a QEMU started with ``-incoming defer`` (a spare one when there is
+  one, :mod:`.spares`) and loads only the device state: restore time does not grow with guest
+  memory, and every restored VM writes to its own clone.
+* ``stream``: anonymous RAM, a snapshot migrates RAM and device state to ``memory.bin`` (QEMU 7.2
+  has no ``file:`` migration URI, so ``exec:cat``); a restore reads it all (``-incoming fd:N``).
+
+Either way snapshots are full (no incremental RAM: with a file backend QEMU's dirty-page log
+only feeds its own migration of that RAM, which ``x-ignore-shared`` turns off; the reflink
+clone shares every unchanged block with its source on disk instead). A snapshot records its mode
+(``vm.json`` ``memory``), so a restore follows the snapshot, whatever the setting is now.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import time
@@ -38,7 +51,8 @@ from agentenv.errors import Failed, Unavailable
 from agentenv.runtime.base import log_tail
 from agentenv.runtime.kvm import kvm_unusable_reason
 from agentenv.runtime.microvm import vmnet
-from agentenv.runtime.microvm.disks import snapshot_disk
+from agentenv.runtime.microvm.disks import SNAPSHOT_UPPER, snapshot_disk, snapshot_layer_file
+from agentenv.runtime.microvm.host import kill_pid, pid_alive
 from agentenv.runtime.microvm.runtime import (
     Boot,
     MicroVmRuntime,
@@ -48,19 +62,25 @@ from agentenv.runtime.microvm.runtime import (
     write_snapshot_meta,
 )
 from agentenv.runtime.network import SandboxNetwork
+from agentenv.runtime.qemu.memory import RAM_FILE, clone_into, create_ram_file
 from agentenv.runtime.qemu.qmp import Qmp, QmpError
+from agentenv.runtime.qemu.spares import SPARES_DIR, Shape, Spare, SparePool
 from agentenv.storage.images import GuestImages
-from agentenv.types import RuntimeName, SandboxInstance, SnapshotRef
+from agentenv.storage.reflink import ReflinkPool
+from agentenv.types import RuntimeName, SandboxInstance, SandboxSpec, SnapshotRef
 
 log = logging.getLogger(__name__)
 
 Accel = Literal["kvm", "tcg"]
+Memory = Literal["file", "stream"]
 #: TCG boots a kernel and a python envd several times slower than KVM.
 ENVD_TIMEOUT_KVM = 60.0
 ENVD_TIMEOUT_TCG = 300.0
 SNAPSHOT_MEMORY = "memory.bin"
 #: Bytes/s: effectively unlimited (a migration to a local file has nothing to protect).
 MIGRATION_BANDWIDTH = 1 << 40
+#: QEMU fd set (``-add-fd``) that holds a spare's upper drive.
+UPPER_FDSET = 1
 
 
 @dataclass(frozen=True)
@@ -81,8 +101,17 @@ class QemuPaths(VmPaths):
         return self.root / "qemu.pid"
 
     @property
+    def ram(self) -> Path:
+        return self.layer_dir / RAM_FILE
+
+    @property
     def runtime_files(self) -> tuple[Path, ...]:
         return self.pidfile, self.qmp
+
+    @property
+    def vm_files(self) -> tuple[Path, ...]:
+        """What a spare QEMU has open in its own directories (moved into a sandbox's on adoption)."""
+        return self.qmp, self.console, self.qemu_log, self.pidfile
 
 
 def vm_paths(settings: Settings, sandbox_id: str) -> QemuPaths:
@@ -107,10 +136,24 @@ def _read_pidfile(paths: QemuPaths) -> int | None:
         return None
 
 
+def _device_state_uri(memory_bin: Path, fd: int | None) -> str:
+    # QEMU hands an exec: URI to /bin/sh: quote the path.
+    return f"fd:{fd}" if fd is not None else f"exec:cat {shlex.quote(str(memory_bin))}"
+
+
 class QemuRuntime(MicroVmRuntime[QemuPaths]):
     name: ClassVar[RuntimeName] = "qemu"
     process_name: ClassVar[str] = "qemu"
     snapshot_file: ClassVar[str] = SNAPSHOT_MEMORY
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        #: Spares taken for restores under way (sandbox id -> spare, and whether the sandbox's
+        #: network has a tap0 already), until adopted.
+        self._claimed: dict[str, tuple[Spare, bool]] = {}
+        self._spares = SparePool(
+            settings.qemu.prespawn, self._spawn_spare, self._discard_spare, self._spare_alive
+        )
 
     # -- availability -------------------------------------------------------------------------
 
@@ -138,6 +181,16 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
     def paths(self, sandbox_id: str) -> QemuPaths:
         return QemuPaths.of(self.settings, sandbox_id)
 
+    @property
+    def spares(self) -> SparePool:
+        return self._spares
+
+    def spare_paths(self, token: str) -> QemuPaths:
+        return QemuPaths(
+            root=self.settings.data_dir / SPARES_DIR / token,
+            layer_dir=ReflinkPool(self.settings.data_dir).root / SPARES_DIR / token,
+        )
+
     # -- command line -------------------------------------------------------------------------
 
     def command(
@@ -147,16 +200,26 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         *,
         vcpus: int,
         memory_mb: int,
-        incoming_fd: int | None = None,
+        memory: Memory = "stream",
+        incoming: str | None = None,
+        tap: str = vmnet.TAP_NAME,
+        upper_fds: tuple[int, int] | None = None,
     ) -> list[str]:
+        """``incoming``: ``defer`` (device state comes by ``migrate-incoming``) or a URI.
+        ``upper_fds``: (read-only, read-write) descriptors of the upper drive, given instead of
+        its path (see :meth:`_spawn_spare`)."""
         accel = self.accel
         gateway, guest = vmnet.guest_addresses(self.settings)
-        drives = [("base", images.base, True), ("upper", paths.upper, False), ("envd", images.envd, True)]
+        upper: Path | str = paths.upper if upper_fds is None else f"/dev/fdset/{UPPER_FDSET}"
+        drives = [("base", images.base, True), ("upper", upper, False), ("envd", images.envd, True)]
+        machine = f"microvm,accel={accel}" + (",pit=on,pic=on,rtc=on" if accel == "tcg" else "")
+        if memory == "file":
+            machine += ",memory-backend=ram0"
         cmd = [
             # TCG: legacy PIT/PIC/RTC as timer references (KVM guests have kvmclock).
             self.settings.qemu.qemu_path,
             "-M",
-            f"microvm,accel={accel}" + (",pit=on,pic=on,rtc=on" if accel == "tcg" else ""),
+            machine,
             "-cpu",
             "host" if accel == "kvm" else "max",
             "-m",
@@ -182,10 +245,14 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             str(paths.pidfile),
             "-daemonize",
             "-netdev",
-            f"tap,id=net0,ifname={vmnet.TAP_NAME},script=no,downscript=no",
+            f"tap,id=net0,ifname={tap},script=no,downscript=no",
             "-device",
             f"virtio-net-device,netdev=net0,mac={vmnet.GUEST_MAC}",
         ]
+        for fd in upper_fds or ():
+            cmd += ["-add-fd", f"fd={fd},set={UPPER_FDSET}"]
+        if memory == "file":
+            cmd += ["-object", f"memory-backend-file,id=ram0,size={memory_mb}M,mem-path={paths.ram},share=on"]
         for serial, path, readonly in drives:
             ro = ",readonly=on" if readonly else ""
             cmd += [
@@ -194,15 +261,19 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
                 "-device",
                 f"virtio-blk-device,drive={serial},serial={serial}",
             ]
-        if incoming_fd is not None:
-            # QEMU reads the migration stream from the open file itself (no `cat` and pipe).
-            cmd += ["-incoming", f"fd:{incoming_fd}"]
+        if incoming is not None:
+            cmd += ["-incoming", incoming]
         return cmd
 
     # -- the hooks of MicroVmRuntime ----------------------------------------------------------
 
     def _envd_timeout(self) -> float:
         return ENVD_TIMEOUT_KVM if self.accel == "kvm" else ENVD_TIMEOUT_TCG
+
+    def _extra_state(self, boot: Boot) -> dict[str, Any]:
+        # A restore follows its snapshot (one taken before RAM files has no ``memory``).
+        memory = boot.meta.get("memory", "stream") if boot.snapshot else self.settings.qemu.memory
+        return {"memory": memory}
 
     def _vm_processes(self, state: dict[str, Any], paths: QemuPaths) -> list[tuple[int | None, str]]:
         # Without a recorded pid (a start cut short) the daemonised QEMU may still have written one.
@@ -215,40 +286,137 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             snapshot_id = boot.snapshot.snapshot_id if boot.snapshot else "?"
             raise Unavailable(f"snapshot {snapshot_id} was taken under {taken}; QEMU here runs {self.accel}")
 
+    async def _start(self, spec: SandboxSpec, boot: Boot) -> SandboxInstance:
+        instance = await super()._start(spec, boot)
+        if instance.state.get("memory") == "file":
+            # Restores (resume, fork, snapshot children) of this shape are likely next.
+            self._spares.want(Shape(boot.images, boot.vcpus, boot.memory_mb))
+        return instance
+
     async def _launch(
         self, net: SandboxNetwork, boot: Boot, paths: QemuPaths, state: dict[str, Any], phases: Phases
     ) -> None:
-        state["pid"] = await self._spawn(net, boot, paths)
+        memory: Memory = state["memory"]
+        if boot.snapshot is None:
+            if memory == "file":
+                await asyncio.to_thread(create_ram_file, paths.ram, boot.memory_mb)
+            state["pid"] = await self._spawn(net, boot, paths, memory=memory)
+            write_marker(paths, state)
+            phases.mark("spawn")
+            return
+        if memory == "stream":
+            await self._restore_stream(net, boot.snapshot, boot, paths, state, phases)
+        else:
+            await self._restore_mapped(net, boot.snapshot, boot, paths, state, phases)
+        phases.mark("incoming")
+
+    async def _restore_mapped(
+        self,
+        net: SandboxNetwork,
+        snapshot: SnapshotRef,
+        boot: Boot,
+        paths: QemuPaths,
+        state: dict[str, Any],
+        phases: Phases,
+    ) -> None:
+        """The RAM-file path: a spare (taken by :meth:`_vmm_brings_tap`) or a new QEMU maps a
+        clone of the snapshot's RAM file; only device state is loaded."""
+        memory_bin = snapshot.path / SNAPSHOT_MEMORY
+        claimed = self._claimed.pop(paths.root.name, None)
+        if claimed is not None:
+            await self._adopt(claimed, net, snapshot, paths, state, phases)
+            await self._load_device_state(paths, _device_state_uri(memory_bin, None))
+        else:
+            ram = (snapshot.path / RAM_FILE).resolve()
+            await asyncio.to_thread(ReflinkPool(self.settings.data_dir).clone, ram, paths.ram)
+            phases.mark("ram")
+            fd = os.open(memory_bin, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                state["pid"] = await self._spawn(net, boot, paths, memory="file", incoming="defer", fd=fd)
+                write_marker(paths, state)
+                phases.mark("spawn")
+                await self._load_device_state(paths, _device_state_uri(memory_bin, fd))
+            finally:
+                os.close(fd)
+
+    def _vmm_brings_tap(self, sandbox_id: str, boot: Boot, *, kept: bool) -> bool:
+        """A restore of a RAM-file snapshot takes a spare now, if there is one: its tap moves in."""
+        if boot.snapshot is None or boot.meta.get("memory") != "file":
+            return False
+        # A spare's drive placeholder has the upper template's size, which QEMU read at start.
+        upper = boot.snapshot.path / SNAPSHOT_UPPER
+        if upper.stat().st_size != boot.images.upper_template.stat().st_size:
+            return False
+        spare = self._spares.take(Shape(boot.images, boot.vcpus, boot.memory_mb))
+        if spare is None:
+            return False
+        self._claimed[sandbox_id] = (spare, kept)
+        return True
+
+    async def _destroy(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        claimed = self._claimed.pop(sandbox_id, None)  # a start failed before adopting it
+        if claimed is not None:
+            await self._discard_spare(claimed[0])
+        await super()._destroy(sandbox_id, state)
+
+    async def _restore_stream(
+        self,
+        net: SandboxNetwork,
+        snapshot: SnapshotRef,
+        boot: Boot,
+        paths: QemuPaths,
+        state: dict[str, Any],
+        phases: Phases,
+    ) -> None:
+        """The stream path: QEMU reads RAM and device state from the open migration file."""
+        fd = os.open(snapshot.path / SNAPSHOT_MEMORY, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            state["pid"] = await self._spawn(net, boot, paths, memory="stream", incoming=f"fd:{fd}", fd=fd)
+        finally:
+            os.close(fd)
         write_marker(paths, state)
         phases.mark("spawn")
-        if boot.snapshot is not None:
-            await self._wait_incoming(paths)
-            phases.mark("incoming")
+        await self._wait_incoming(paths)
 
-    async def _spawn(self, net: SandboxNetwork, boot: Boot, paths: QemuPaths) -> int:
-        memory = boot.snapshot.path / SNAPSHOT_MEMORY if boot.snapshot else None
-        fd = os.open(memory, os.O_RDONLY | os.O_CLOEXEC) if memory else None
-        try:
-            cmd = self.command(boot.images, paths, vcpus=boot.vcpus, memory_mb=boot.memory_mb, incoming_fd=fd)
-            await self._spawn_in_netns(net, cmd, paths, pass_fds=() if fd is None else (fd,))
-        finally:
-            if fd is not None:
-                os.close(fd)
+    async def _spawn(
+        self,
+        net: SandboxNetwork | None,
+        boot: Boot,
+        paths: QemuPaths,
+        *,
+        memory: Memory,
+        incoming: str | None = None,
+        fd: int | None = None,
+        tap: str = vmnet.TAP_NAME,
+        upper_fds: tuple[int, int] | None = None,
+    ) -> int:
+        """Start QEMU (in ``net``'s netns; None: the host's) and return its pid."""
+        cmd = self.command(
+            boot.images,
+            paths,
+            vcpus=boot.vcpus,
+            memory_mb=boot.memory_mb,
+            memory=memory,
+            incoming=incoming,
+            tap=tap,
+            upper_fds=upper_fds,
+        )
+        if net is not None:
+            # nsenter only switches the network namespace: QEMU opens tap0 there, files stay host's.
+            cmd = ["nsenter", f"--net={net.netns_path}", "--", *cmd]
+        pass_fds = (() if fd is None else (fd,)) + (upper_fds or ())
+        await self._run_daemonizing(cmd, paths, pass_fds=pass_fds)
         pid = _read_pidfile(paths)
         if pid is None:
             raise Failed(f"qemu wrote no pid file: {log_tail(paths.qemu_log)}")
         return pid
 
-    async def _spawn_in_netns(
-        self, net: SandboxNetwork, cmd: list[str], paths: QemuPaths, pass_fds: tuple[int, ...] = ()
+    async def _run_daemonizing(
+        self, cmd: list[str], paths: QemuPaths, pass_fds: tuple[int, ...] = ()
     ) -> None:
-        # nsenter only switches the network namespace: QEMU opens tap0 there, files stay host's.
         # Output goes to a file, not a pipe: the daemonised QEMU would hold a pipe open forever.
         with open(paths.qemu_log, "ab") as out:  # noqa: ASYNC230  # local file, opened once
             proc = await asyncio.create_subprocess_exec(
-                "nsenter",
-                f"--net={net.netns_path}",
-                "--",
                 *cmd,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
@@ -259,6 +427,16 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             code = await proc.wait()  # -daemonize: the parent exits once QEMU is initialised
         if code != 0 or not paths.pidfile.exists():
             raise Failed(f"qemu failed to start (exit {code}): {log_tail(paths.qemu_log)}")
+
+    async def _load_device_state(self, paths: QemuPaths, uri: str) -> None:
+        """A QEMU waiting with ``-incoming defer`` on a mapped RAM file: load the device state."""
+        qmp = await Qmp.connect(paths.qmp)
+        try:
+            await _ignore_shared(qmp)
+            await qmp.execute("migrate-incoming", {"uri": uri})
+        finally:
+            await qmp.close()
+        await self._wait_incoming(paths)
 
     async def _wait_incoming(self, paths: QemuPaths, limit_s: float = 120.0) -> None:
         qmp = await Qmp.connect(paths.qmp)
@@ -281,6 +459,115 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         finally:
             await qmp.close()
 
+    # -- spares (QEMU started ahead of a restore) ----------------------------------------------
+
+    async def _spawn_spare(self, shape: Shape) -> Spare:
+        token = secrets.token_hex(4)
+        paths = self.spare_paths(token)
+        spare = Spare(token, shape.key, 0, paths)
+        try:
+            await asyncio.to_thread(self._spare_files, paths, shape)
+            await vmnet.add_host_tap(spare.tap)
+            pid = await self._spawn_spare_qemu(shape, spare)
+        except BaseException:
+            await self._discard_spare(spare)
+            raise
+        log.info("qemu spare %s started (pid %d)", token, pid)
+        return Spare(token, shape.key, pid, paths)
+
+    async def _spawn_spare_qemu(self, shape: Shape, spare: Spare) -> int:
+        """The upper drive goes by descriptor: QEMU reopens its drives by name when it activates
+        them after an incoming migration (read-only -> read-write), and the spare's file is
+        renamed into the sandbox's directory by then. An fd set has one descriptor per access
+        mode, which a reopen dups instead of opening a path."""
+        paths: QemuPaths = spare.paths
+        ro = os.open(paths.upper, os.O_RDONLY | os.O_CLOEXEC)
+        rw = os.open(paths.upper, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            boot = Boot(shape.images, shape.vcpus, shape.memory_mb)
+            return await self._spawn(
+                None, boot, paths, memory="file", incoming="defer", tap=spare.tap, upper_fds=(ro, rw)
+            )
+        finally:
+            os.close(ro)
+            os.close(rw)
+
+    def _spare_files(self, paths: QemuPaths, shape: Shape) -> None:
+        """Full-size placeholders QEMU opens at start (it reads the drive's size there); a restore
+        clones the snapshot's files into them."""
+        ReflinkPool(self.settings.data_dir).ensure()
+        paths.root.mkdir(parents=True)
+        create_ram_file(paths.ram, shape.memory_mb)
+        with open(paths.upper, "wb") as f:
+            f.truncate(shape.images.upper_template.stat().st_size)
+
+    def _spare_alive(self, spare: Spare) -> bool:
+        return pid_alive(spare.pid or _read_pidfile(spare.paths), self.process_name, str(spare.paths.root))
+
+    async def _discard_spare(self, spare: Spare) -> None:
+        paths: QemuPaths = spare.paths
+        await kill_pid(spare.pid or _read_pidfile(paths), self.process_name, owner=str(paths.root))
+        await vmnet.remove_host_tap(spare.tap)
+        await asyncio.to_thread(self._remove_spare_dirs, paths)
+
+    def _remove_spare_dirs(self, paths: QemuPaths) -> None:
+        if paths.layer_dir.exists():
+            ReflinkPool(self.settings.data_dir).remove_tree(paths.layer_dir)
+        shutil.rmtree(paths.root, ignore_errors=True)
+
+    async def _adopt(
+        self,
+        claimed: tuple[Spare, bool],
+        net: SandboxNetwork,
+        snapshot: SnapshotRef,
+        paths: QemuPaths,
+        state: dict[str, Any],
+        phases: Phases,
+    ) -> None:
+        """Make ``spare`` this sandbox's VM: the marker names it first (a crash from here on
+        kills it with the sandbox), then its open files get the snapshot's content and move into
+        the sandbox's directories, its tap into the sandbox's netns."""
+        spare, tap_kept = claimed
+        state["pid"], state["vm_owner"] = spare.pid, str(spare.paths.root)
+        write_marker(paths, state)
+        try:
+            await asyncio.to_thread(self._fill_spare, spare.paths, snapshot, paths)
+            phases.mark("spare_files")
+            await vmnet.adopt_tap(self.settings, net, spare.tap, replace=tap_kept)
+            phases.mark("spare_tap")
+        finally:
+            await asyncio.to_thread(self._remove_spare_dirs, spare.paths)
+
+    @staticmethod
+    def _fill_spare(spare: QemuPaths, snapshot: SnapshotRef, paths: QemuPaths) -> None:
+        clone_into((snapshot.path / RAM_FILE).resolve(), spare.ram)
+        clone_into(paths.upper, spare.upper)  # the snapshot's drive, cloned by the start
+        paths.layer_dir.mkdir(parents=True, exist_ok=True)
+        for src, dst in ((spare.ram, paths.ram), (spare.upper, paths.upper)):
+            os.replace(src, dst)
+        for src, dst in zip(spare.vm_files, paths.vm_files, strict=True):
+            os.replace(src, dst)
+
+    async def stop_prestarted(self) -> None:
+        """Kill the spares (node shutdown); sandboxes keep running."""
+        await self._spares.close()
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        await self._remove_stray_spares()
+        return await super().cleanup_orphans(keep)
+
+    async def _remove_stray_spares(self) -> None:
+        """Spares a crashed server left (their directories say so), not this pool's own."""
+        live = self._spares.tokens()
+        roots = (self.settings.data_dir / SPARES_DIR, ReflinkPool(self.settings.data_dir).root / SPARES_DIR)
+        tokens = {p.name for root in roots if root.is_dir() for p in root.iterdir()} - live
+        for token in sorted(tokens):
+            log.info("recovery: removing stray qemu spare %s", token)
+            await self._discard_spare(Spare(token, "", 0, self.spare_paths(token)))
+        for root in roots:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+
     # -- snapshots ----------------------------------------------------------------------------
 
     async def freeze(self, instance: SandboxInstance) -> None:
@@ -298,12 +585,13 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             await qmp.close()
 
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
-        """Stop the vCPUs, clone the upper drive and migrate RAM + device state to a file.
+        """Stop the vCPUs, clone the RAM file (file mode) and the upper drive, migrate the device
+        state (file mode) or RAM and device state (stream mode) to ``memory.bin``.
 
-        Always a full snapshot: QEMU's migration stream has no incremental RAM, so ``dest.parent``
-        is ignored (the disk is a reflink clone sharing unchanged blocks anyway). A failed
-        snapshot leaves the VM running."""
+        Always full (see the module docstring): ``dest.parent`` is ignored. A failed snapshot
+        leaves the VM running."""
         paths = self.paths(instance.sandbox_id)
+        memory: Memory = instance.state.get("memory", "stream")
         dest.path.mkdir(parents=True, exist_ok=True)
         phases = Phases()
         qmp = await Qmp.connect(paths.qmp)
@@ -311,13 +599,7 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             await qmp.execute("stop")
             phases.mark("stop")
             try:
-                # QEMU writes the raw image with plain pwrite: with the vCPUs stopped the file
-                # holds every write the guest completed (FICLONE writes back dirty pages first);
-                # what the guest still caches is in its RAM, which the migration saves.
-                await asyncio.to_thread(snapshot_disk, self.settings, paths.upper, dest)
-                phases.mark("disk")
-                await self._migrate_to_file(qmp, dest.path / SNAPSHOT_MEMORY)
-                phases.mark("migrate")
+                await self._save(qmp, paths, dest, memory, phases)
             except BaseException:
                 with contextlib.suppress(QmpError, OSError):
                     await qmp.execute("cont")
@@ -326,18 +608,36 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
                 await qmp.execute("cont")
         finally:
             await qmp.close()
-        write_snapshot_meta(dest, instance.state, accel=self.accel, runtime=self.name)
+        write_snapshot_meta(dest, instance.state, accel=self.accel, runtime=self.name, memory=memory)
         if stop:
             await self._stop_keeping_network(instance, paths)
         phases.mark("stop_vm" if stop else "cont")
-        size_mib = (dest.path / SNAPSHOT_MEMORY).stat().st_size >> 20
         log.info(
-            "qemu %s: %s in %s, memory %d MiB",
+            "qemu %s: %s in %s, %s memory, state %d KiB",
             instance.sandbox_id,
             "pause" if stop else "snapshot",
             phases.summary(),
-            size_mib,
+            memory,
+            (dest.path / SNAPSHOT_MEMORY).stat().st_size >> 10,
         )
+
+    async def _save(
+        self, qmp: Qmp, paths: QemuPaths, dest: SnapshotRef, memory: Memory, phases: Phases
+    ) -> None:
+        """What a snapshot holds, taken with the vCPUs stopped."""
+        if memory == "file":
+            # FICLONE writes the mapping's dirty pages back first: the clone is the RAM as the
+            # stopped vCPUs left it.
+            await asyncio.to_thread(snapshot_layer_file, self.settings, paths.ram, dest, RAM_FILE)
+            phases.mark("ram")
+            await _ignore_shared(qmp)
+        # QEMU writes the raw image with plain pwrite: with the vCPUs stopped the file holds
+        # every write the guest completed (FICLONE writes back dirty pages first); what the
+        # guest still caches is in its RAM, which the snapshot saves.
+        await asyncio.to_thread(snapshot_disk, self.settings, paths.upper, dest)
+        phases.mark("disk")
+        await self._migrate_to_file(qmp, dest.path / SNAPSHOT_MEMORY)
+        phases.mark("migrate")
 
     async def _migrate_to_file(self, qmp: Qmp, memory: Path) -> None:
         # Unthrottled: the default limit (128 MiB/s) paces a stopped VM's save too (0.8 s for
@@ -360,3 +660,11 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
                 await qmp.execute("migrate_cancel")
                 raise Failed("QEMU migration to file timed out")
             await asyncio.sleep(0.01)
+
+
+async def _ignore_shared(qmp: Qmp) -> None:
+    """Migrate device state only: RAM in a shared file backend is the file's, not the stream's
+    (set on both ends, before ``migrate`` and before ``migrate-incoming``)."""
+    await qmp.execute(
+        "migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
+    )

@@ -1,0 +1,1 @@
+"""Cluster mode's gateway (docs/CLUSTER.md): places sandboxes on nodes and forwards to them."""

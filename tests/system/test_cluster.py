@@ -1,0 +1,168 @@
+"""Cluster mode end to end (docs/CLUSTER.md): PostgreSQL as the registry, moto's S3 server as the
+snapshot store, one gateway and two nodes as real processes on this machine (own data dirs,
+subnets and ports), driven through the official e2b SDK against the gateway only.
+
+One cluster serves the module, the tests run in order: creates spread over both nodes, envd
+traffic through the gateway, lists across nodes, a node reached directly without a signature
+answers 401, a gateway restart and a second gateway lose and split nothing, then node a is
+``kill -9``ed: its sandboxes are reported gone within seconds while b's runs on, its snapshot is
+restored on b from S3, and a restarted a destroys what the cluster reported killed.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2b import NotFoundException, Sandbox, SandboxQuery
+from e2b.exceptions import ServiceBusyException
+
+from tests.support import base_template_missing, free_port
+from tests.support.cluster import API_KEY, LOST_AFTER_S, Cluster, gateway_proc, run_cluster
+from tests.support.counter import assert_state_continues, start_state
+from tests.support.leaks import wait_no_host_resources
+from tests.support.postgres import PostgresCluster
+from tests.support.s3 import s3_server
+
+pytestmark = pytest.mark.requires_root("runs gVisor sandboxes")
+
+
+@pytest.fixture(scope="module")
+def cluster(postgres: PostgresCluster) -> Iterator[Cluster]:
+    reason = base_template_missing()
+    if reason:
+        pytest.skip(reason)
+    with s3_server() as s3, run_cluster(postgres.new_database(), s3) as running:
+        yield running
+
+
+#: Sandboxes the ordered tests share: name -> sandbox id.
+SHARED: dict[str, str] = {}
+
+
+def test_a_node_reached_directly_without_a_signature_answers_401(cluster: Cluster) -> None:
+    node = cluster.nodes["node-a"]
+    for path in ("/sandboxes", "/v2/sandboxes", "/snapshots", "/node"):
+        resp = httpx.get(node.url + path, headers={"X-API-Key": API_KEY}, timeout=10)
+        assert resp.status_code == 401, (path, resp.text)
+        assert resp.json()["code"] == 401 and "gateway" in resp.json()["message"]
+    envd = httpx.get(node.url + "/health", headers={"E2B-Sandbox-Id": "x", "E2B-Sandbox-Port": "49983"})
+    assert envd.status_code == 401
+    rows = cluster.rows("SELECT node_id, state, url FROM nodes ORDER BY node_id")
+    assert [(r[0], r[1]) for r in rows] == [("node-a", "up"), ("node-b", "up")], rows
+    # The gateway checks API keys itself.
+    assert httpx.get(cluster.gateway.url + "/sandboxes", timeout=10).status_code == 401
+
+
+def test_creates_spread_over_both_nodes_and_envd_works_through_the_gateway(cluster: Cluster) -> None:
+    first = Sandbox.create(timeout=300, metadata={"suite": "cluster"}, **cluster.sdk)
+    second = Sandbox.create(timeout=300, metadata={"suite": "cluster"}, **cluster.sdk)
+    owners = {cluster.owner(first.sandbox_id), cluster.owner(second.sandbox_id)}
+    assert owners == {"node-a", "node-b"}, owners
+    for sbx in (first, second):
+        SHARED[cluster.owner(sbx.sandbox_id)] = sbx.sandbox_id
+        result = sbx.commands.run("echo hello from $(hostname)")
+        assert result.exit_code == 0 and result.stdout.startswith("hello from")
+        sbx.files.write("/home/user/note.txt", f"written through the gateway to {sbx.sandbox_id}")
+        assert sbx.files.read("/home/user/note.txt") == f"written through the gateway to {sbx.sandbox_id}"
+        streamed: list[str] = []
+        handle = sbx.commands.run("for i in 1 2 3; do echo line $i; sleep 0.2; done", background=True)
+        handle.wait(on_stdout=streamed.append)
+        assert "".join(streamed).split() == ["line", "1", "line", "2", "line", "3"]
+        assert sbx.get_info().sandbox_id == sbx.sandbox_id
+        # Signed URLs name no sandbox: the gateway finds it by the token that signs them.
+        assert cluster.gateway.url in sbx.download_url("/home/user/note.txt")
+        downloaded = httpx.get(
+            sbx.download_url("/home/user/note.txt", use_signature_expiration=60), timeout=30
+        )
+        assert downloaded.status_code == 200 and downloaded.text.startswith("written through the gateway")
+        upload = sbx.upload_url("/home/user/uploaded.txt")
+        assert httpx.post(upload, files={"file": ("u.txt", b"uploaded via a signed URL")}).status_code == 200
+        assert sbx.files.read("/home/user/uploaded.txt") == "uploaded via a signed URL"
+
+
+def test_list_shows_sandboxes_of_both_nodes(cluster: Cluster) -> None:
+    listed = Sandbox.list(**cluster.sdk).next_items()
+    assert set(SHARED.values()) <= {s.sandbox_id for s in listed}
+
+    filtered = Sandbox.list(query=SandboxQuery(metadata={"suite": "cluster"}), **cluster.sdk).next_items()
+    assert {s.sandbox_id for s in filtered} == set(SHARED.values())
+    paged = Sandbox.list(query=SandboxQuery(metadata={"suite": "cluster"}), limit=1, **cluster.sdk)
+    pages = [paged.next_items(), paged.next_items()]
+    assert sorted(s.sandbox_id for p in pages for s in p) == sorted(SHARED.values())
+    assert not paged.has_next
+
+
+def test_a_gateway_restart_and_a_second_gateway_lose_nothing(cluster: Cluster) -> None:
+    before = {s.sandbox_id for s in Sandbox.list(**cluster.sdk).next_items()}
+    cluster.gateway.stop()
+    cluster.gateway.start()  # same port, nothing of its own to recover
+    after = {s.sandbox_id for s in Sandbox.list(**cluster.sdk).next_items()}
+    assert after == before
+    other = gateway_proc(cluster.database_url, free_port(), cluster.data_dirs[0])
+    other.start()
+    try:
+        opts = {"api_key": API_KEY, "api_url": other.url, "sandbox_url": other.url}
+        assert {s.sandbox_id for s in Sandbox.list(**opts).next_items()} == before
+        for sandbox_id in SHARED.values():
+            sbx = Sandbox.connect(sandbox_id, **opts)
+            assert sbx.files.read("/home/user/note.txt") == f"written through the gateway to {sandbox_id}"
+    finally:
+        other.stop()
+
+
+def test_node_a_lost_its_sandboxes_gone_b_runs_on_and_a_snapshot_restores_on_b(cluster: Cluster) -> None:
+    on_a = Sandbox.connect(SHARED["node-a"], **cluster.sdk)
+    on_b = Sandbox.connect(SHARED["node-b"], **cluster.sdk)
+    before = start_state(on_a, "from node a")
+    snap = on_a.create_snapshot(name="cluster-snap")
+    _wait_durable(cluster, snap.snapshot_id)
+
+    node_a = cluster.nodes["node-a"]
+    node_a.stop(signal.SIGKILL)
+    lost_at = time.monotonic()
+    while True:  # reported gone within a few seconds of the missed heartbeats
+        try:
+            Sandbox.get_info(on_a.sandbox_id, **cluster.sdk)
+        except NotFoundException:
+            break
+        except ServiceBusyException:  # until it is marked lost: "the node ... is unreachable"
+            pass
+        assert time.monotonic() - lost_at < LOST_AFTER_S + 10, "node a's sandbox is still reported"
+        time.sleep(0.25)
+    assert cluster.rows("SELECT state FROM nodes WHERE node_id = 'node-a'")[0][0] == "lost"
+    assert on_a.sandbox_id not in {s.sandbox_id for s in Sandbox.list(**cluster.sdk).next_items()}
+    logs = cluster.rows("SELECT message FROM sandbox_logs WHERE sandbox_id = :s", s=on_a.sandbox_id)
+    assert any("node lost" in r[0] for r in logs), logs
+
+    # The gateway keeps serving; b's sandbox runs on.
+    assert on_b.commands.run("echo still here").stdout.strip() == "still here"
+    # a's durable snapshot is restored on b, from S3, with a's files and running process.
+    child = Sandbox.create("cluster-snap", timeout=300, **cluster.sdk)
+    assert cluster.owner(child.sandbox_id) == "node-b"
+    assert_state_continues(child, before, "from node a")
+    child.kill()
+
+    # a comes back: the cluster killed its sandbox, so a's start-up destroys it.
+    node_a.start()
+    assert wait_no_host_resources(on_a.sandbox_id, timeout=30) == []
+    assert cluster.rows("SELECT state FROM nodes WHERE node_id = 'node-a'")[0][0] == "up"
+    again = Sandbox.create(timeout=120, **cluster.sdk)  # both nodes place again
+    assert again.commands.run("true").exit_code == 0
+    again.kill()
+    on_b.kill()
+
+
+def _wait_durable(cluster: Cluster, snapshot_id: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    headers = {"X-API-Key": API_KEY}
+    while True:
+        listed = httpx.get(cluster.gateway.url + "/snapshots", headers=headers, timeout=30).json()
+        found = [s for s in listed if s["snapshotID"] == snapshot_id]
+        if found and found[0]["storage"]["durable"]:
+            return
+        assert time.monotonic() < deadline, f"snapshot {snapshot_id} never became durable: {found}"
+        time.sleep(0.3)
