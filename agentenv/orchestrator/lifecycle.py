@@ -781,16 +781,17 @@ class Orchestrator:
         ``cleanup_orphans`` removes what no live row names.)"""
         reaped = []
         for sandbox_id in list(self._routes):
-            rec = await self.store.get(sandbox_id)
-            if rec is None or rec.state != S.KILLED:
-                continue
-            self._detach(sandbox_id)
-            instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
-            try:
-                await self._runtime(rec).kill(instance)
-            except Exception as exc:  # start-up's cleanup_orphans removes what is left
-                log.warning("reaping %s (killed while this node was lost) failed: %s", sandbox_id, exc)
-            reaped.append(sandbox_id)
+            async with self._lock(sandbox_id):  # an operation under way finishes first
+                rec = await self.store.get(sandbox_id)
+                if rec is None or rec.state != S.KILLED or sandbox_id not in self._routes:
+                    continue
+                self._detach(sandbox_id)
+                instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
+                try:
+                    await self._runtime(rec).kill(instance)
+                except Exception as exc:  # start-up's cleanup_orphans removes what is left
+                    log.warning("reaping %s (killed while this node was lost) failed: %s", sandbox_id, exc)
+                reaped.append(sandbox_id)
         return reaped
 
     async def node_metrics(self) -> bytes:

@@ -263,6 +263,8 @@ def test_domain_rules_survive_pause_resume_and_fork_and_leave_nothing_behind(nod
             time.sleep(0.2)
         assert leaks.proxy_connections(data_dir, ip), "the open connection is not proxied"
         sbx.pause()
+        # Paused to disk, its network is gone, and with it what the proxy relayed for it.
+        assert leaks.wait_no_proxy_connections(data_dir, ip) == []
         sbx = sbx.connect()  # resumes it
         assert probe(sbx, ("y.example", 443), ("y.example.org", 443)) == {
             "y.example:443": reached("y.example"),

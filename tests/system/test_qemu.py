@@ -8,7 +8,8 @@
   guest's memory state (same kernel boot id, same process) and disk preserved; a restored
   guest's memory is private (its writes reach neither the snapshot's RAM file nor a sibling's);
 * the earlier path (``memory=stream``: RAM migrated to a file and read back) still restores;
-* the lifecycle through the server with the SDK: pause/resume, snapshot -> new sandboxes, fork.
+* the lifecycle through the server with the SDK: pause/resume, snapshot -> new sandboxes, fork
+  (a marker one fork child holds in memory is in its own RAM file only).
 
 TCG boots are slow (a python envd starting on an emulated CPU): each VM takes 1-3 minutes.
 """
@@ -189,13 +190,16 @@ def _ram_holds(ram: Path, marker: bytes) -> bool:
         return m.find(marker) != -1
 
 
-def _hold_in_memory(instance: SandboxInstance, marker: str) -> None:
+def _hold_command(marker: str) -> str:
     """A guest process that holds ``marker`` in its heap (never on disk) until killed."""
     program = (
         f"import time; b = bytearray(b'{marker}') * 4096; open('/tmp/held', 'w').close(); time.sleep(1e6)"
     )
-    command = f'nohup python3 -c "{program}" >/dev/null 2>&1 & while [ ! -e /tmp/held ]; do sleep 0.1; done'
-    _envd_sdk(instance).commands.run(command, timeout=120, request_timeout=120)
+    return f'nohup python3 -c "{program}" >/dev/null 2>&1 & while [ ! -e /tmp/held ]; do sleep 0.1; done'
+
+
+def _hold_in_memory(instance: SandboxInstance, marker: str) -> None:
+    _envd_sdk(instance).commands.run(_hold_command(marker), timeout=120, request_timeout=120)
 
 
 def _assert_memory_private(
@@ -412,8 +416,9 @@ def _snapshot_children(parent: Sandbox, opts: dict[str, Any], before: int, ids: 
     return snap.snapshot_id
 
 
-def _fork_two(parent: Sandbox, before: int, ids: list[str]) -> None:
-    """Each child has the parent's state and diverges on its own; the parent keeps running."""
+def _fork_two(parent: Sandbox, before: int, ids: list[str], data_dir: Path) -> None:
+    """Each child has the parent's state and diverges on its own, in memory too (a marker one
+    child holds is in its RAM file only); the parent keeps running."""
     forked = parent.fork(count=2, timeout=900, request_timeout=VM_LIMIT)
     kids = [k for k in forked if isinstance(k, Sandbox)]
     ids += [k.sandbox_id for k in kids]
@@ -423,6 +428,12 @@ def _fork_two(parent: Sandbox, before: int, ids: list[str]) -> None:
         kid.files.write(STATE_FILE, f"kid-{i}", request_timeout=120)
     for i, kid in enumerate(kids):
         assert kid.files.read(STATE_FILE, request_timeout=120) == f"kid-{i}"
+    marker = f"ae-private-{unique_id('m')}-".encode()
+    kids[0].commands.run(_hold_command(marker.decode()), timeout=120, request_timeout=120)
+    pool = ReflinkPool(data_dir).root
+    rams = {k.sandbox_id: pool / "sandboxes" / k.sandbox_id / "memory.ram" for k in kids}
+    assert [_ram_holds(rams[k.sandbox_id], marker) for k in kids] == [True, False]
+    assert not any(_ram_holds(ram, marker) for ram in (pool / "snapshots").glob("*/memory.ram"))
     _assert_state_continues(parent, before)
 
 
@@ -443,7 +454,7 @@ def _lifecycle(servers: list[ServerProcess], ids: list[str]) -> tuple[str, dict[
     before = _counter(parent)
     parent = _pause_restart_resume(servers, parent, opts, before)
     snapshot_id = _snapshot_children(parent, opts, before, ids)
-    _fork_two(parent, before, ids)
+    _fork_two(parent, before, ids, server.data_dir)
     slots = _slots(server.data_dir)
     assert sorted(slots.values()) == sorted(ids)  # one each, the paused sandbox's too
     for sandbox_id in ids:

@@ -129,3 +129,36 @@ async def test_the_responder_answers_its_domain_and_refuses_without_upstream() -
         assert other.header.rcode == 5 and other.rr == []  # REFUSED
     finally:
         protocol.close()
+
+
+def test_a_lookup_teardown_removes_the_redirect_chain_and_its_jump() -> None:
+    """Without the sandbox's network at hand (a crash lost it), its rules are found by tag in
+    ``iptables-save``: the AGENTENV-PRE jump and the AEP- chain go with the rest."""
+    saved = "\n".join(
+        [
+            "*nat",
+            ":AGENTENV-PRE - [0:0]",
+            ":AEP-aeh7 - [0:0]",
+            ":AEP-aeh8 - [0:0]",
+            "-A AGENTENV-PRE -i aeh7 -p tcp -m comment --comment ae-x1 -j AEP-aeh7",
+            "-A AEP-aeh7 -p tcp -m multiport --dports 80,443 -j REDIRECT --to-ports 4000",
+            "COMMIT",
+            "*filter",
+            ":AEO-aeh7 - [0:0]",
+            "-A AGENTENV -i aeh7 -m comment --comment ae-x1 -j AEO-aeh7",
+            "COMMIT",
+        ]
+    )
+    deletes = network._tagged_deletes(saved, "ae-x1", set())
+    assert deletes["nat"] == [
+        "-D AGENTENV-PRE -i aeh7 -p tcp -m comment --comment ae-x1 -j AEP-aeh7",
+        "-F AEP-aeh7",
+        "-X AEP-aeh7",
+    ]
+    assert deletes["filter"] == [
+        "-D AGENTENV -i aeh7 -m comment --comment ae-x1 -j AEO-aeh7",
+        "-F AEO-aeh7",
+        "-X AEO-aeh7",
+    ]
+    # A chain left without its jump (a teardown cut short) goes by the slot's egress chain name.
+    assert network._tagged_deletes(saved, "ae-gone", {"AEO-aeh8"})["nat"] == ["-F AEP-aeh8", "-X AEP-aeh8"]
