@@ -168,6 +168,10 @@ class Settings(BaseSettings):
     node_heartbeat_seconds: float = 5.0
     #: A node whose heartbeat is older than this is marked lost by the gateways, its sandboxes killed.
     node_lost_after_seconds: float = 30.0
+    #: Most sandboxes (creating, running, resuming) this node holds at once; a create or fork child
+    #: past it answers 429 like E2B's concurrency limit. 0: no count limit (the heartbeat's
+    #: ``slots_free`` is then the available memory in 512 MiB slots alone).
+    max_sandboxes: int = 0
     #: The role this process serves in (set by the command, not by users): ``single`` (``serve``),
     #: ``node`` (``node serve``) or ``gateway``.
     role: Literal["single", "node", "gateway"] = "single"

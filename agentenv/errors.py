@@ -59,6 +59,10 @@ class Unavailable(AgentenvError):
     """A needed part is not usable right now: a runtime, envd, capacity (503)."""
 
 
+class LimitReached(AgentenvError):
+    """A count limit is reached, e.g. the node's most concurrent sandboxes (429, E2B's)."""
+
+
 class Failed(AgentenvError):
     """An operation that should have worked failed; the message says which step and why (500)."""
 
@@ -71,6 +75,7 @@ _STATUS: dict[type[AgentenvError], int] = {
     Conflict: 409,
     Gone: 410,
     TooLarge: 413,
+    LimitReached: 429,
     Failed: 500,
     NotSupported: 501,
     Unavailable: 503,

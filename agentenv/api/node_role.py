@@ -37,6 +37,11 @@ async def measure(app: FastAPI) -> Capacity:
     settings: Settings = app.state.settings
     free = int(cap["memoryAvailableMiB"])
     by_state = status["sandboxes"]["byState"]
+    # Those on their way to running count: the gateway spreads creates by this.
+    held = sum(int(by_state.get(s, 0)) for s in ("creating", "running", "resuming"))
+    slots = max(0, free // SLOT_MIB)
+    if settings.max_sandboxes > 0:  # the node refuses creates past it (Orchestrator._admit)
+        slots = min(slots, max(0, settings.max_sandboxes - held))
     return Capacity(
         runtime=str(status["runtime"]),
         vcpus_total=int(cap["cpuCount"]),
@@ -44,9 +49,8 @@ async def measure(app: FastAPI) -> Capacity:
         memory_total_mib=int(cap["memoryTotalMiB"]),
         memory_free_mib=free,
         disk_free_mib=int(cap["diskFreeMiB"]),
-        # Those on their way to running count: the gateway spreads creates by this.
-        sandboxes_running=sum(int(by_state.get(s, 0)) for s in ("creating", "running", "resuming")),
-        slots_free=max(0, free // SLOT_MIB),
+        sandboxes_running=held,
+        slots_free=slots,
         warm_templates=list(settings.warm_pool_templates) if settings.warm_pool_high > 0 else [],
     )
 

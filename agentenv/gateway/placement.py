@@ -140,3 +140,24 @@ def forget_seen(placed: dict[str, Placed], nodes: Collection[NodeInfo], memory_m
         entry.memory_mib = len(entry.at) * memory_mib
         if not entry.at:
             del placed[node.node_id]
+
+
+def room(node: NodeInfo, placed: Mapping[str, Placed]) -> int:
+    """How many more default-sized sandboxes ``node`` takes (its free slots, within its free
+    memory), after what this gateway placed there since its heartbeat."""
+    memory, slots, _ = _effective(node, placed)
+    return max(0, min(slots, memory // DEFAULT_MEMORY_MIB))
+
+
+def spread(
+    nodes: Sequence[NodeInfo], count: int, need: Need, now: float, fresh_within: float, placed: dict[str, Placed]
+) -> list[NodeInfo | None]:
+    """Where ``count`` sandboxes go, one by one (each counted before the next is placed);
+    None for one no node has room for."""
+    plan: list[NodeInfo | None] = []
+    for _ in range(count):
+        ranked = candidates(nodes, need, now, fresh_within, placed)
+        plan.append(ranked[0] if ranked else None)
+        if ranked:
+            note_placed(placed, ranked[0].node_id, need.memory_mib, now)
+    return plan

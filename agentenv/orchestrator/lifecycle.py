@@ -39,6 +39,7 @@ from agentenv.errors import (
     Failed,
     Gone,
     Invalid,
+    LimitReached,
     NotFound,
     NotSupported,
     Unavailable,
@@ -275,6 +276,8 @@ class Orchestrator:
         #: Called with a sandbox's id when it stops being reachable (kill, pause, death,
         #: snapshot): the API layer ends the streams its proxy has open to it.
         self._detach_listeners: list[Callable[[str], None]] = []
+        #: Counting the node's sandboxes and inserting a new one are one step (``max_sandboxes``).
+        self._admission = asyncio.Lock()
         self._metrics: dict[str, list[MetricSample]] = {}
         self._idempotency: dict[str, str] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -603,8 +606,8 @@ class Orchestrator:
         undo = Undo(f"bringing up sandbox {rec.sandbox_id}")
         started = time.monotonic()
         async with self._lock(rec.sandbox_id):
+            await self._admit(rec, runtime, source)
             try:
-                await self.store.insert(rec)
                 undo.push("registry row", lambda: self._mark_failed(rec, runtime))
                 undo.push(
                     "runtime instance",
@@ -632,6 +635,25 @@ class Orchestrator:
             init_ms=str(elapsed_ms(up)),
         )
         return rec
+
+    async def _admit(self, rec: SandboxRecord, runtime: Runtime, source: Source) -> None:
+        """Insert the new sandbox's row unless the node holds ``max_sandboxes`` already (429, as
+        E2B's concurrency limit: the gateway places the sandbox elsewhere). Resumes are not
+        counted here: a paused sandbox keeps its place."""
+        cap = self.settings.max_sandboxes
+        if cap <= 0:
+            await self.store.insert(rec)
+            return
+        async with self._admission:
+            held = len(await self.store.in_states((S.CREATING, S.RUNNING, S.RESUMING)))
+            if held >= cap:
+                if isinstance(source, Claim):  # taken from a pool: nothing else will stop it
+                    with contextlib.suppress(Exception):
+                        await runtime.kill(source.instance)
+                raise LimitReached(
+                    f"this node runs its maximum of {cap} concurrent sandboxes (AGENTENV_MAX_SANDBOXES)"
+                )
+            await self.store.insert(rec)
 
     async def _materialise(self, runtime: Runtime, source: Source, spec: SandboxSpec) -> SandboxInstance:
         if isinstance(source, Boot):
