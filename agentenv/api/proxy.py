@@ -300,6 +300,71 @@ class _Upstream:
         self._idle.clear()
 
 
+async def exchange(
+    upstream: _Upstream,
+    host: str,
+    port: int,
+    key: str,
+    request: h11.Request,
+    body: AsyncIterator[bytes] | None,
+    *,
+    peer: str,
+) -> tuple[_Connection, h11.Response]:
+    """Send ``request`` on a pooled connection to ``host:port`` (streaming ``body``) and read
+    the response head; the connection is dropped from the pool on any failure. ``peer`` names
+    the other end in errors ("the sandbox", "the node")."""
+    conn = await upstream.connect(host, port, key)
+    try:
+        conn.hold(request)
+        if body is not None:
+            with contextlib.suppress(OSError):  # the peer answered before reading it all
+                async for chunk in body:
+                    await conn.send(h11.Data(data=chunk))
+                await conn.send(h11.EndOfMessage())
+        else:
+            await conn.send(h11.EndOfMessage())
+        while True:
+            event = await conn.next_event()
+            if isinstance(event, h11.Response):
+                return conn, event
+            if not isinstance(event, h11.InformationalResponse):  # 1xx: the answer follows
+                raise UpstreamError(f"{peer} closed the connection without answering")
+    except BaseException:
+        upstream.discard(key, conn)
+        conn.close()
+        raise
+
+
+@dataclass(frozen=True)
+class SignedFilesUrl:
+    """The signature part of a signed ``/files`` URL (the SDKs' ``download_url``/``upload_url``)."""
+
+    signature: str
+    path: str
+    operation: str
+    user: str
+    expiration: int | None
+
+    @classmethod
+    def of(cls, scope: Scope) -> SignedFilesUrl | None:
+        params = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        signature = (params.get("signature") or [""])[0]
+        if not signature:
+            return None
+        raw_expiration = (params.get("signature_expiration") or [""])[0]
+        return cls(
+            signature=signature,
+            path=(params.get("path") or [""])[0],
+            operation="read" if scope.get("method") == "GET" else "write",
+            user=(params.get("username") or [""])[0],
+            expiration=int(raw_expiration) if is_ascii_number(raw_expiration) else None,
+        )
+
+    def signed_with(self, token: str) -> bool:
+        expected = expected_signature(self.path, self.operation, self.user, token, self.expiration)
+        return hmac.compare_digest(self.signature, expected)
+
+
 class _UpstreamResponse:
     """A sandbox's answer: status and headers read, the body streamed by ``aiter_raw``."""
 
@@ -416,19 +481,11 @@ class SandboxProxy:
         the SDKs' ``download_url``/``upload_url`` are ``{E2B_SANDBOX_URL}/files?...&signature=``:
         no routing header, no sandbox host name (a browser or curl sends nothing else). envd
         checks the signature (and its expiry, with E2B's message) again; None: not signed."""
-        params = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        signature = (params.get("signature") or [""])[0]
-        if not signature:
+        signed = SignedFilesUrl.of(scope)
+        if signed is None:
             return None
-        raw_expiration = (params.get("signature_expiration") or [""])[0]
-        expiration = int(raw_expiration) if is_ascii_number(raw_expiration) else None
-        operation = "read" if scope.get("method") == "GET" else "write"
-        path, user = (params.get("path") or [""])[0], (params.get("username") or [""])[0]
         for route in self._orchestrator().routes():
-            token = route.envd_access_token
-            if token and hmac.compare_digest(
-                signature, expected_signature(path, operation, user, token, expiration)
-            ):
+            if route.envd_access_token and signed.signed_with(route.envd_access_token):
                 return Target(sandbox_id=route.sandbox_id, port=ENVD_PORT)
         return None
 
@@ -517,26 +574,10 @@ class SandboxProxy:
         self, route: Route, port: int, request: h11.Request, body: AsyncIterator[bytes] | None
     ) -> _UpstreamResponse:
         """Send the request (streaming its body) and read the response head."""
-        conn = await self._upstream.connect(route.address, port, route.sandbox_id)
-        try:
-            conn.hold(request)
-            if body is not None:
-                with contextlib.suppress(OSError):  # the sandbox answered before reading it all
-                    async for chunk in body:
-                        await conn.send(h11.Data(data=chunk))
-                    await conn.send(h11.EndOfMessage())
-            else:
-                await conn.send(h11.EndOfMessage())
-            while True:
-                event = await conn.next_event()
-                if isinstance(event, h11.Response):
-                    return _UpstreamResponse(self._upstream, route, port, conn, event)
-                if not isinstance(event, h11.InformationalResponse):  # 1xx: the answer follows
-                    raise UpstreamError("the sandbox closed the connection without answering")
-        except BaseException:
-            self._upstream.discard(route.sandbox_id, conn)
-            conn.close()
-            raise
+        conn, head = await exchange(
+            self._upstream, route.address, port, route.sandbox_id, request, body, peer="the sandbox"
+        )
+        return _UpstreamResponse(self._upstream, route, port, conn, head)
 
     async def _send_upstream(
         self,

@@ -1,4 +1,5 @@
-"""``agentenv node status``: what a node has and runs, from ``GET /node`` (our JSON extension);
+"""``agentenv node status``: what a node has and runs, from ``GET /node`` (our JSON extension; a
+cluster gateway answers it with every node's row and totals, docs/CLUSTER.md "Operators");
 against a server without it from ``GET /metrics`` (Prometheus text) alone. ``agentenv node serve``:
 run this host as a cluster node (docs/CLUSTER.md; the only command here that starts a server)."""
 
@@ -33,8 +34,44 @@ def from_metrics(text: str) -> dict[str, Any]:
     return {"sandboxes": {"total": sum(by_state.values()), "byState": by_state, "pausedByTier": by_tier}}
 
 
+def _print_cluster(console: Console, status: dict[str, Any]) -> None:
+    """A gateway's ``/node``: one row per node, then the totals over the nodes not lost."""
+    table = Table(box=None, header_style="bold")
+    for col in (
+        "NODE",
+        "STATE",
+        "HEARTBEAT",
+        "RUNTIME",
+        "SANDBOXES",
+        "SLOTS FREE",
+        "MEMORY FREE MIB",
+        "VCPU FREE",
+    ):
+        table.add_column(col)
+    for node in status["nodes"]:
+        cap = node["capacity"]
+        table.add_row(
+            node["nodeID"],
+            node["state"],
+            f"{node['heartbeatAgeSeconds']} s ago",
+            node["runtime"],
+            str(node["sandboxes"]["total"]),
+            str(cap["slotsFree"]),
+            f"{cap['memoryAvailableMiB']} / {cap['memoryTotalMiB']}",
+            f"{cap['cpuFree']} / {cap['cpuCount']}",
+        )
+    console.print(table)
+    t = status["totals"]
+    console.print(
+        f"[bold]cluster[/bold] {t['nodesUp']} of {t['nodes']} nodes up; {t['slotsFree']} slots, "
+        f"{t['memoryAvailableMiB']} of {t['memoryTotalMiB']} MiB, {t['cpuFree']} of {t['cpuCount']} vCPU free"
+    )
+
+
 def _print(status: dict[str, Any]) -> None:
     console = Console()
+    if "nodes" in status:  # a cluster gateway's answer
+        _print_cluster(console, status)
     if "runtime" in status:
         console.print(f"[bold]runtime[/bold] {status['runtime']} (platform {status['platform']})")
     cap = status.get("capacity")

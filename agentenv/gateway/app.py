@@ -26,13 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import hmac
 import json
 import logging
 import re
 import socket
 import time
-import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -47,7 +45,7 @@ from agentenv.api.app import public_domain
 from agentenv.api.auth import check_key, presented_key
 from agentenv.api.errors import error_response
 from agentenv.api.limits import BodyLimit
-from agentenv.api.proxy import Target, find_target, is_ascii_number, not_found_message, send_error
+from agentenv.api.proxy import SignedFilesUrl, Target, find_target, not_found_message, send_error
 from agentenv.api.routes_sandboxes import (
     LIST_LIMIT_MAX,
     decode_cursor,
@@ -57,12 +55,13 @@ from agentenv.api.routes_sandboxes import (
     parse_states,
 )
 from agentenv.config import Settings
-from agentenv.envd.signature import expected_signature
 from agentenv.errors import AgentenvError, Invalid, http_status
 from agentenv.gateway import placement
+from agentenv.gateway.fork import ForkRequest, Spill, plan_spill
 from agentenv.gateway.forward import EnvdRelay, NodeClient, NodeUnreachable, Reply
 from agentenv.gateway.placement import Need, NodeInfo, Placed
 from agentenv.gateway.registry import GatewayRegistry
+from agentenv.gateway.status import cluster_metrics, cluster_status
 from agentenv.orchestrator.ids import normalise_sandbox_id
 from agentenv.orchestrator.store import ListQuery, SandboxStore
 from agentenv.types import ENVD_PORT, SandboxState
@@ -176,6 +175,14 @@ class Gateway:
     def forget(self, sandbox_id: str) -> None:
         self._owners.pop(sandbox_id, None)
 
+    def remember_owner(self, sandbox_id: str, node_id: str) -> None:
+        self._owners[normalise_sandbox_id(sandbox_id)] = node_id
+
+    @property
+    def placed(self) -> dict[str, Placed]:
+        """What this gateway placed on each node since its heartbeat (placement counts it)."""
+        return self._placed
+
     async def _watch_liveness(self) -> None:
         interval = max(
             0.2, min(self.settings.node_heartbeat_seconds, self.settings.node_lost_after_seconds / 3)
@@ -227,16 +234,11 @@ class Gateway:
         """envd of the sandbox whose token signs this ``/files`` URL (the SDKs' ``download_url``
         and ``upload_url`` carry no routing header), as the node's proxy finds it, from the
         registry's running sandboxes. None: not signed (envd checks signature and expiry again)."""
-        params = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        signature = (params.get("signature") or [""])[0]
-        if not signature:
+        signed = SignedFilesUrl.of(scope)
+        if signed is None:
             return None
-        raw_expiration = (params.get("signature_expiration") or [""])[0]
-        expiration = int(raw_expiration) if is_ascii_number(raw_expiration) else None
-        operation = "read" if scope.get("method") == "GET" else "write"
-        path, user = (params.get("path") or [""])[0], (params.get("username") or [""])[0]
         for sandbox_id, token in await self.db.envd_tokens():
-            if hmac.compare_digest(signature, expected_signature(path, operation, user, token, expiration)):
+            if signed.signed_with(token):
                 return Target(sandbox_id=sandbox_id, port=ENVD_PORT)
         return None
 
@@ -263,6 +265,10 @@ class Gateway:
                 return await self._list(target, headers, _LISTS[path])
             if method == "GET" and path == "/sandboxes/metrics":
                 return await self._merged_metrics(target, headers)
+            if method == "GET" and path == "/node":
+                return JSONResponse(await cluster_status(self))
+            if method == "GET" and path == "/metrics":
+                return Response(await cluster_metrics(self), media_type="text/plain; version=0.0.4")
             m = _BY_SANDBOX.match(path)
             if m:
                 return await self._by_sandbox(
@@ -284,9 +290,14 @@ class Gateway:
         if rewrite_domain and reply.status < 300 and body:
             with contextlib.suppress(ValueError):
                 doc = json.loads(body)
-                if isinstance(doc, dict) and "domain" in doc:
-                    doc["domain"] = self.domain  # sandbox.get_host(port) must name the gateway
-                    body = json.dumps(doc).encode()
+                # sandbox.get_host(port) must name the gateway; a fork answers one entry per child.
+                entries = (
+                    [e.get("sandbox") for e in doc if isinstance(e, dict)] if isinstance(doc, list) else [doc]
+                )
+                for item in entries:
+                    if isinstance(item, dict) and "domain" in item:
+                        item["domain"] = self.domain
+                body = json.dumps(doc).encode()
         return Response(body, status_code=reply.status, headers=dict(reply.headers))
 
     async def _by_sandbox(
@@ -295,12 +306,39 @@ class Gateway:
         node = await self.owner(sandbox_id)
         if node is None:
             return error_response(404, f"sandbox {sandbox_id!r} not found")
+        if method == "POST" and target.split("?", 1)[0].endswith("/fork"):
+            spilled = await self._fork(sandbox_id, node, body)
+            if spilled is not None:
+                return spilled
         reply = await self.nodes_client.call(node, method, target, body, headers)
         if reply.status in _MISSING:
             self.forget(sandbox_id)
         elif target.endswith("/fork") and reply.status < 300:
             self._learn_owners(reply.body, node.node_id)
         return self._response(reply, rewrite_domain=True)
+
+    async def _fork(self, sandbox_id: str, node: NodeInfo, body: bytes) -> Response | None:
+        """A fork with more children than the parent's node has room for (agentenv/gateway/fork.py);
+        None: forward it unchanged."""
+        req = ForkRequest.parse(body)
+        if req is None:
+            return None
+        planned = await plan_spill(self, sandbox_id, node, req)
+        if planned is None:
+            return None
+        local, plan, create_body = planned
+        log.info(
+            "gateway: fork of %s: %d child(ren) on %s, %d elsewhere (%s)",
+            sandbox_id,
+            local,
+            node.node_id,
+            len(plan),
+            ", ".join(n.node_id if n else "none" for n in plan),
+        )
+        children, failed = await Spill(self, sandbox_id, node, req).run(local, plan, create_body)
+        if failed is not None:
+            return self._response(failed)
+        return JSONResponse(children, status_code=201)
 
     def _learn_owners(self, body: bytes, node_id: str) -> None:
         """Sandboxes a node just made are its own (saves a registry read on their first call)."""
@@ -309,7 +347,9 @@ class Gateway:
             docs = (
                 doc if isinstance(doc, list) else doc.get("sandboxes", [doc]) if isinstance(doc, dict) else []
             )
-            for item in docs:
+            for entry in docs:
+                # A fork's answer: one {"sandbox": ...} or {"error": ...} per child.
+                item = entry.get("sandbox", entry) if isinstance(entry, dict) else entry
                 if isinstance(item, dict) and isinstance(item.get("sandboxID"), str):
                     self._owners[normalise_sandbox_id(item["sandboxID"])] = node_id
 
@@ -334,7 +374,7 @@ class Gateway:
             except NodeUnreachable as exc:
                 log.warning("gateway: create on %s failed: %s", node.node_id, exc)
                 continue
-            if reply.status >= 500:
+            if reply.status >= 500 or reply.status == 429:  # 429: full (its max_sandboxes)
                 log.warning("gateway: create on %s answered %d", node.node_id, reply.status)
                 last = reply
                 continue

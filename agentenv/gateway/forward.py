@@ -36,6 +36,7 @@ from agentenv.api.proxy import (
     _relay_websocket,
     _UploadTooLarge,
     _Upstream,
+    exchange,
     is_ascii_number,
     not_found_message,
     response_headers,
@@ -174,26 +175,7 @@ class EnvdRelay:
     async def _exchange(
         self, host: str, port: int, key: str, request: h11.Request, body: AsyncIterator[bytes] | None
     ) -> tuple[_Connection, h11.Response]:
-        conn = await self._upstream.connect(host, port, key)
-        try:
-            conn.hold(request)
-            if body is not None:
-                with contextlib.suppress(OSError):  # the node answered before reading it all
-                    async for chunk in body:
-                        await conn.send(h11.Data(data=chunk))
-                    await conn.send(h11.EndOfMessage())
-            else:
-                await conn.send(h11.EndOfMessage())
-            while True:
-                event = await conn.next_event()
-                if isinstance(event, h11.Response):
-                    return conn, event
-                if not isinstance(event, h11.InformationalResponse):
-                    raise UpstreamError("the node closed the connection without answering")
-        except BaseException:
-            self._upstream.discard(key, conn)
-            conn.close()
-            raise
+        return await exchange(self._upstream, host, port, key, request, body, peer="the node")
 
     async def _stream_back(
         self,

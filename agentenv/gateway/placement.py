@@ -150,7 +150,12 @@ def room(node: NodeInfo, placed: Mapping[str, Placed]) -> int:
 
 
 def spread(
-    nodes: Sequence[NodeInfo], count: int, need: Need, now: float, fresh_within: float, placed: dict[str, Placed]
+    nodes: Sequence[NodeInfo],
+    count: int,
+    need: Need,
+    now: float,
+    fresh_within: float,
+    placed: dict[str, Placed],
 ) -> list[NodeInfo | None]:
     """Where ``count`` sandboxes go, one by one (each counted before the next is placed);
     None for one no node has room for."""

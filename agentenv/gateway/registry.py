@@ -8,7 +8,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import delete, insert, or_, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from agentenv.gateway.placement import NodeInfo
@@ -55,6 +55,24 @@ class GatewayRegistry:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(select(schema.nodes))).mappings().all()
         return [NodeInfo.from_row(dict(r)) for r in rows]
+
+    async def node_rows(self) -> list[dict[str, object]]:
+        """Every ``nodes`` row, all columns (``GET /node`` on a gateway)."""
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(select(schema.nodes).order_by(schema.nodes.c.node_id))).mappings()
+            return [dict(r) for r in rows.all()]
+
+    async def sandbox_counts(self) -> list[tuple[str, str, str | None, int]]:
+        """(node id, state, pause tier, how many) of the sandboxes the SDK can still reach."""
+        s = schema.sandboxes
+        query = (
+            select(s.c.node_id, s.c.state, s.c.pause_tier, func.count())
+            .where(s.c.state.in_(_REACHABLE_STATES))
+            .group_by(s.c.node_id, s.c.state, s.c.pause_tier)
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [(str(r[0]), str(r[1]), None if r[2] is None else str(r[2]), int(r[3])) for r in rows]
 
     async def owner(self, sandbox_id: str) -> str | None:
         """The node owning a sandbox the SDK can still reach, else None (answered as gone)."""
