@@ -122,7 +122,7 @@ def update_readme(summary: str) -> None:
         readme.write_text(pattern.sub(lambda m: m.group(1) + summary + m.group(2), text))
 
 
-BENCHMARKS = ("core", "lifecycle", "density", "runtimes", "microvm", "s3", "rl", "cluster")
+BENCHMARKS = ("core", "lifecycle", "density", "runtimes", "microvm", "s3", "rl", "cluster", "fork_spill")
 
 
 def _optional(name: str) -> object | None:
@@ -198,6 +198,12 @@ def main() -> None:
 
         # A gateway and two nodes on PostgreSQL and moto S3: the gateway hop vs the node directly.
         attempt("cluster", lambda: cluster.run(max(args.runs, 100)))
+
+    if "fork_spill" in wanted:
+        from bench import fork_spill
+
+        # A fork past the parent node's room: a local child vs one spilled to another node via S3.
+        attempt("fork_spill", lambda: fork_spill.run(args.runs))
 
     # The summary covers every recorded benchmark, also those not re-run this time.
     recorded = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}

@@ -51,7 +51,13 @@ def builder(request: Request) -> TemplateBuilder:
     found: TemplateBuilder | None = getattr(state, "template_builder", None)
     if found is None:
         orch: Orchestrator = state.orchestrator
-        found = TemplateBuilder(orch.settings, orch.runtimes, orch.template_snapshots, orch.background)
+        found = TemplateBuilder(
+            orch.settings,
+            orch.runtimes,
+            orch.template_snapshots,
+            orch.background,
+            collect=lambda: orch.catalog.collect_garbage(orch.runtimes),
+        )
         state.template_builder = found
     return found
 
@@ -373,7 +379,8 @@ async def list_tags(request: Request, template_id: str) -> JSONResponse:
 # Declared after ``/templates/tags``: a path parameter would take "tags" too.
 @router.delete("/templates/{template_id}", dependencies=AUTH)
 async def delete_template(request: Request, template_id: str) -> Response:
-    """Delete a template built through the build API (with its snapshot and warm pool). The
+    """Delete a template built through the build API (with its snapshot and warm pool): no name
+    finds it any more, but its sandboxes keep running and snapshots of it keep restoring. The
     node's recipe templates (``base``) are not the API's to delete."""
     settings = _settings(request)
     orch: Orchestrator = request.app.state.orchestrator
@@ -396,4 +403,7 @@ async def delete_template(request: Request, template_id: str) -> Response:
     the_builder.forget(name)
     if storage.template_dir(name, settings).exists():
         storage.delete_template(name, settings)
+    # Its builds' roots go now unless a sandbox or snapshot stands on them (E2B's: those keep
+    # running and restoring); then when the last of them goes.
+    await orch.catalog.collect_garbage(orch.runtimes)
     return Response(status_code=204)

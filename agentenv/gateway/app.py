@@ -294,10 +294,11 @@ class Gateway:
                 entries = (
                     [e.get("sandbox") for e in doc if isinstance(e, dict)] if isinstance(doc, list) else [doc]
                 )
-                for item in entries:
-                    if isinstance(item, dict) and "domain" in item:
-                        item["domain"] = self.domain
-                body = json.dumps(doc).encode()
+                named = [item for item in entries if isinstance(item, dict) and "domain" in item]
+                for item in named:
+                    item["domain"] = self.domain
+                if named:
+                    body = json.dumps(doc).encode()
         return Response(body, status_code=reply.status, headers=dict(reply.headers))
 
     async def _by_sandbox(
@@ -314,7 +315,8 @@ class Gateway:
         if reply.status in _MISSING:
             self.forget(sandbox_id)
         elif target.endswith("/fork") and reply.status < 300:
-            self._learn_owners(reply.body, node.node_id)
+            for _ in range(self._learn_owners(reply.body, node.node_id)):  # until its next heartbeat
+                placement.note_placed(self._placed, node.node_id, placement.DEFAULT_MEMORY_MIB, time.time())
         return self._response(reply, rewrite_domain=True)
 
     async def _fork(self, sandbox_id: str, node: NodeInfo, body: bytes) -> Response | None:
@@ -340,8 +342,10 @@ class Gateway:
             return self._response(failed)
         return JSONResponse(children, status_code=201)
 
-    def _learn_owners(self, body: bytes, node_id: str) -> None:
-        """Sandboxes a node just made are its own (saves a registry read on their first call)."""
+    def _learn_owners(self, body: bytes, node_id: str) -> int:
+        """Sandboxes a node just made are its own (saves a registry read on their first call);
+        returns how many."""
+        learned = 0
         with contextlib.suppress(ValueError):
             doc = json.loads(body)
             docs = (
@@ -352,6 +356,8 @@ class Gateway:
                 item = entry.get("sandbox", entry) if isinstance(entry, dict) else entry
                 if isinstance(item, dict) and isinstance(item.get("sandboxID"), str):
                     self._owners[normalise_sandbox_id(item["sandboxID"])] = node_id
+                    learned += 1
+        return learned
 
     async def _create(self, target: str, body: bytes, headers: list[tuple[str, str]]) -> Response:
         reference = None

@@ -40,12 +40,12 @@ import shlex
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from agentenv.config import Settings
-from agentenv.errors import AgentenvError, Conflict, Failed, Forbidden, Invalid, NotFound
+from agentenv.errors import AgentenvError, Conflict, Failed, Forbidden, Invalid, NotFound, NotSupported
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
 from agentenv.orchestrator.envd_exec import EnvdExec, OutputSink, shell_argv, start_and_wait_ready
@@ -192,8 +192,12 @@ class TemplateBuilder:
         runtimes: RuntimeSet,
         snapshots: TemplateSnapshots | None,
         background: Background | None = None,
+        collect: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._settings = settings
+        #: Frees the roots of builds a publish dropped once nothing stands on them (the
+        #: orchestrator's collection); None (the CLI): the server's next collection does.
+        self._collect = collect
         self._runtimes = runtimes
         self._snapshots = snapshots
         #: The server's background tasks (drained, then cancelled, on shut-down: a cancelled
@@ -360,6 +364,8 @@ class TemplateBuilder:
                 step = str(i)
                 assert instance is not None
                 await self._step(build, instance, base.rootfs, ctx, i, len(spec.steps), item)
+                if i < len(spec.steps):  # the last step's root is the build's own
+                    await self._seal_step(build, runtime, instance, base, ctx, keys[i - 1], step)
             step = FINALIZE_STEP
             layer = hit.image.rootfs if hit is not None and cached == len(spec.steps) else None
             out = _Outcome(ctx, keys[-1] if keys else None, layer, cached)
@@ -379,6 +385,40 @@ class TemplateBuilder:
             build.log(f"Build finished in {time.monotonic() - started:.1f} s", step=FINALIZE_STEP)
         build.finished_at = dt.datetime.now(dt.UTC)
         log.info("template build %s/%s: %s", build.template_id, build.build_id, build.status)
+
+    async def _seal_step(
+        self,
+        build: Build,
+        runtime: Runtime,
+        instance: SandboxInstance,
+        base: TemplateImage,
+        ctx: _Context,
+        key: str,
+        step: str,
+    ) -> None:
+        """Keep the root after this step as its cache layer (E2B caches every step), unless the
+        runtime cannot show its layers. A failure here costs a later build that cache hit only."""
+        try:
+            layers = runtime.root_layers(instance)
+        except NotSupported:
+            return
+        if (storage.step_layers_dir(self._settings) / key / storage.COMPLETE_MARKER).is_file():
+            return
+        started = time.monotonic()
+        await self._exec(
+            build, instance, base.rootfs, "sync", step=step, user="root", cwd="/", envs={}, what="flushing"
+        )
+        meta = {"user": ctx.user, "workdir": ctx.workdir, "envs": dict(ctx.envs), "disk_mb": base.disk_mb}
+        try:
+            await asyncio.to_thread(storage.seal_step_layer, self._settings, key, base.rootfs, layers, meta)
+        except OSError as exc:
+            log.warning("keeping step %s of build %s as a cache layer failed: %s", step, build.build_id, exc)
+            return
+        build.log(
+            f"Step {step} kept as a cache layer in {time.monotonic() - started:.1f} s",
+            level="debug",
+            step=step,
+        )
 
     def _fail(self, build: Build, message: str, step: str) -> None:
         build.log(f"Build failed: {message}", level="error", step=step)
@@ -714,6 +754,8 @@ class TemplateBuilder:
                     f"making the template's snapshot failed: {exc.message}", FINALIZE_STEP
                 ) from None
             build.log(f"Template snapshot made in {time.monotonic() - made:.1f} s", step=FINALIZE_STEP)
+        if self._collect is not None:  # the previous build's snapshot is gone: its root may be free
+            await self._collect()
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -3,7 +3,8 @@
 Writing a snapshot is: the runtime writes it into a temp dir, the dir is committed by rename,
 then the row is added (``agentenv.storage.snapshots``); a crash before the row leaves a dir the
 start-up sweep removes. Snapshots share disk layers; :meth:`SnapshotCatalog.collect_garbage` has
-each runtime free the layers nothing names any more.
+each runtime free the layers nothing names any more, and frees dropped template builds' roots no
+sandbox and no snapshot stands on any more.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import json
 import logging
 import secrets
 import time
@@ -20,13 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
 from agentenv.errors import Failed
 from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.runtime.base import Runtime
 from agentenv.storage import snapshots as storage
+from agentenv.storage import templates as template_storage
 from agentenv.storage.db import Registry
+from agentenv.storage.db.schema import sandboxes
 from agentenv.storage.snapshots import SnapshotKind, SnapshotRow, SnapshotStore
-from agentenv.types import SandboxInstance, SnapshotRef, TemplateImage
+from agentenv.types import SandboxInstance, SandboxState, SnapshotRef, TemplateImage
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +101,11 @@ class SnapshotCatalog:
         *,
         durable: DurableSnapshots | None = None,
         runtimes: Iterable[Runtime] = (),
+        templates_dir: Path | None = None,
     ) -> None:
         self._data_dir = data_dir
+        #: Where dropped template builds wait for the last sandbox or snapshot on them to go.
+        self._templates_dir = templates_dir
         self._store: SnapshotStore | None = None
         self._gc_lock = asyncio.Lock()
         #: The snapshot store's side (uploads, fetches, the cache cap); None: node-local only.
@@ -242,3 +251,32 @@ class SnapshotCatalog:
                     # Collection is retried after the next kill, delete or resume; a failure here
                     # must not fail the operation that triggered it.
                     log.exception("%s: collecting unused disk layers failed", runtime.name)
+            if self._templates_dir is not None:
+                try:
+                    named = await self.template_roots_in_use()
+                    freed = await asyncio.to_thread(
+                        template_storage.collect_dropped, self._templates_dir, named
+                    )
+                    if freed:
+                        log.info("freed dropped template roots %s", ", ".join(freed))
+                except Exception:
+                    log.exception("collecting dropped template roots failed")
+
+    async def template_roots_in_use(self) -> set[str]:
+        """The template roots every sandbox not killed (any node's) and every snapshot record
+        standing on (a resume, restore or fork mounts it again)."""
+
+        def sandbox_roots(conn: Any) -> set[str]:
+            stmt = select(sandboxes.c.instance).where(sandboxes.c.state != str(SandboxState.KILLED))
+            found = set()
+            for (raw,) in conn.execute(stmt):
+                state = (json.loads(raw) if raw else {}).get("state") or {}
+                if state.get("template_rootfs"):
+                    found.add(str(state["template_rootfs"]))
+            return found
+
+        named: set[str] = await self.store.db.read(sandbox_roots)
+        for row in await self.rows():
+            if row.info.get("template_rootfs"):
+                named.add(str(row.info["template_rootfs"]))
+        return named

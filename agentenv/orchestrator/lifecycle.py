@@ -1216,9 +1216,12 @@ class Orchestrator:
         """The template ``rec`` stands on: the built template, else as the snapshot recorded it
         (sandboxes made from a user snapshot carry the snapshot's id as their template)."""
         try:
-            return templates.load(rec.template_id, self.settings).image
+            image = templates.load(rec.template_id, self.settings).image
         except templates.TemplateNotFound:
             return SnapshotMeta.of(row).image(rec.template_id)
+        # The snapshot's disk lies on the root it recorded; a later build's root is another one.
+        recorded = SnapshotMeta.of(row).template_rootfs
+        return dataclasses.replace(image, rootfs=Path(recorded)) if recorded else image
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -1448,6 +1451,7 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
             background=background,
         ),
         runtimes=runtimes,
+        templates_dir=settings.templates_dir,
     )
     return Orchestrator(
         settings,

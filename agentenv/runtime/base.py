@@ -146,6 +146,13 @@ class Runtime(abc.ABC):
         caller has flushed it (``sync`` inside) and keeps it from writing meanwhile."""
         raise NotSupported(f"the {self.name} runtime cannot export a root file system (template builds)")
 
+    def root_layers(self, instance: SandboxInstance) -> list[Path]:
+        """The directories, in overlayfs format and newest first, that hold everything the
+        sandbox's root has that its template root has not (its upper, then the snapshot layers
+        it was restored onto): a template build's step cache seals them after each step. The
+        caller has flushed the sandbox (``sync`` inside) and keeps it from writing meanwhile."""
+        raise NotSupported(f"the {self.name} runtime does not expose its root's layers")
+
     async def collect_garbage(self, live_snapshots: LiveSnapshots) -> list[str]:
         """Free shared disk layers that neither a sandbox of this runtime nor a committed snapshot
         of it still uses; return what was freed. ``live_snapshots()`` lists the committed

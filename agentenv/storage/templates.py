@@ -18,16 +18,26 @@ sandboxes of an older build keep running (and resume) on it.
 A build's ``template.json`` names its *layer key* (the step cache key of its last step, see
 :mod:`agentenv.orchestrator.builder`): :func:`find_layer` finds a finished root of that key in
 any template, which a later build takes as its starting point (hard-linked, read-only shared).
+
+A build that is dropped (an untagged one past the newest few, every build of a deleted template)
+loses its ``.complete`` marker and gets ``.dropped`` instead, but its root stays where it is:
+running and paused sandboxes and snapshots record that path (a resume, a restore or a fork
+mounts it again). A recipe template's root replaced by ``--force`` is renamed aside
+(``.rootfs.retired-*``). :func:`collect_dropped` frees both once no record names them (the
+orchestrator passes the roots its sandbox and snapshot rows name, see
+:meth:`agentenv.orchestrator.catalog.SnapshotCatalog.collect_garbage`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import fcntl
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -44,11 +54,17 @@ from agentenv.types import SANDBOX_USER, TemplateImage
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SANDBOX_UID = 1000
 COMPLETE_MARKER = ".complete"
+#: A build no longer listed, kept until nothing names its root (then :func:`collect_dropped`).
+DROPPED_MARKER = ".dropped"
+RETIRED_PREFIX = ".rootfs.retired-"
 METADATA_FILE = "template.json"
 #: Builds of the build API, one directory per build id (the current one, tagged ones, a few more).
 BUILDS_DIR = "builds"
-#: Older builds no tag names that stay (sandboxes made from them may still run on their roots).
+#: Older builds no tag names that stay listed (tags and the step cache find them).
 UNTAGGED_BUILDS_KEPT = 2
+#: Per-step cache layers (under ``data_dir``), and how many stay (least recently used go).
+STEP_LAYERS_DIR = "build-steps"
+STEP_LAYERS_KEPT = 64
 
 
 class TemplateError(AgentenvError):
@@ -212,8 +228,17 @@ def kept_builds(template_id: str, settings: Settings) -> list[dict[str, Any]]:
 
 
 def find_layer(layer_key: str, settings: Settings) -> tuple[Path, dict[str, Any]] | None:
-    """A finished root whose build ended with the step cache key ``layer_key`` (any template,
-    current or kept build), with that build's metadata; None when no build has one."""
+    """A finished root of the step cache key ``layer_key``: a step layer kept after that step,
+    else a build (any template, current or kept) that ended with it; with its metadata (the
+    context after the step); None when there is none."""
+    step = step_layers_dir(settings) / layer_key
+    if (step / COMPLETE_MARKER).is_file():
+        try:
+            meta = json.loads((step / METADATA_FILE).read_text())
+            os.utime(step / COMPLETE_MARKER)  # used: the eviction's recency
+            return step / "rootfs", meta
+        except (OSError, ValueError):
+            pass
     root = settings.templates_dir
     if not root.is_dir():
         return None
@@ -232,6 +257,99 @@ def find_layer(layer_key: str, settings: Settings) -> tuple[Path, dict[str, Any]
             if meta.get("layer_key") == layer_key:
                 return bdir / "rootfs", meta
     return None
+
+
+def step_layers_dir(settings: Settings) -> Path:
+    """Per-step cache layers: ``<step key>/rootfs`` and its ``template.json`` (the context)."""
+    return settings.data_dir / STEP_LAYERS_DIR
+
+
+def seal_step_layer(
+    settings: Settings, layer_key: str, base: Path, layers: list[Path], meta: dict[str, Any]
+) -> bool:
+    """Keep the root a build had after a step, keyed by the step's cache key: ``base`` (the
+    build sandbox's template root) hard-linked, with ``layers`` (overlayfs format, newest first)
+    applied on top. False when one of that key is kept already."""
+    root = step_layers_dir(settings)
+    final = root / layer_key
+    if (final / COMPLETE_MARKER).is_file():
+        return False
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{layer_key}.{time.time_ns()}.partial"
+    partial.mkdir()
+    try:
+        (partial / "rootfs").mkdir()
+        share_layer(base, partial / "rootfs")
+        for layer in reversed(layers):
+            apply_overlay_layer(layer, partial / "rootfs")
+        write_json_atomic(partial / METADATA_FILE, {**meta, "layer_key": layer_key}, indent=2)
+        write_atomic(partial / COMPLETE_MARKER, f"{time.time()}\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _evict_step_layers(root)
+    return True
+
+
+def _evict_step_layers(root: Path, kept: int = STEP_LAYERS_KEPT) -> None:
+    """The least recently used step layers past ``kept`` go (a build using one as its build
+    sandbox's root marks it used first; an hour-old mark is never a running build's)."""
+    layers = [d for d in root.iterdir() if (d / COMPLETE_MARKER).is_file()]
+    layers.sort(key=lambda d: (d / COMPLETE_MARKER).stat().st_mtime)
+    for layer in layers[: max(0, len(layers) - kept)]:
+        if time.time() - (layer / COMPLETE_MARKER).stat().st_mtime > 3600:
+            shutil.rmtree(layer, ignore_errors=True)
+
+
+def apply_overlay_layer(layer: Path, dest: Path) -> None:
+    """Apply one overlayfs layer (an upper: 0/0 character devices are whiteouts, a directory
+    marked opaque hides what was below it) onto the plain tree ``dest``. Files of ``dest`` may
+    be hard links into other trees: each is replaced by unlinking, never written in place."""
+    for dirpath, dirnames, filenames in os.walk(layer):
+        rel = Path(dirpath).relative_to(layer)
+        for name in [*dirnames, *filenames]:
+            src, dst = Path(dirpath) / name, dest / rel / name
+            st = src.lstat()
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout
+                _remove_path(dst)
+            elif stat.S_ISDIR(st.st_mode):
+                if dst.is_symlink() or (dst.exists() and not dst.is_dir()) or _opaque(src):
+                    _remove_path(dst)
+                dst.mkdir(exist_ok=True)
+                _copy_owner_and_mode(src, dst, st)
+            else:
+                _remove_path(dst)
+                if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    shutil.copy2(src, dst, follow_symlinks=False)
+                elif not stat.S_ISSOCK(st.st_mode):
+                    os.mknod(dst, st.st_mode, st.st_rdev)
+                _copy_owner_and_mode(src, dst, st)
+
+
+def _opaque(directory: Path) -> bool:
+    try:
+        return os.getxattr(directory, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def _copy_owner_and_mode(src: Path, dst: Path, st: os.stat_result) -> None:
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for attr in os.listxattr(dst, follow_symlinks=False):  # overlayfs' own markers stay behind
+        if attr.startswith("trusted.overlay."):
+            os.removexattr(dst, attr, follow_symlinks=False)
 
 
 def share_layer(layer: Path, dest: Path) -> None:
@@ -275,7 +393,6 @@ def publish_build(template_id: str, rootfs: Path, meta: dict[str, Any], settings
         write_json_atomic(bdir / METADATA_FILE, full, indent=2)
         write_atomic(bdir / COMPLETE_MARKER, f"{created_at} {build_id}\n")
         (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
-        _remove_unused_retired(tdir)
         current = tdir / "rootfs"
         if current.is_dir() and not current.is_symlink():  # a recipe build, or one made before builds/
             if old.get("build_id"):
@@ -304,17 +421,65 @@ def _keep_build(tdir: Path, meta: dict[str, Any]) -> None:
 
 
 def _drop_builds(tdir: Path, named: set[str], untagged_kept: int = UNTAGGED_BUILDS_KEPT) -> None:
-    """Builds neither current nor tagged: the newest ``untagged_kept`` stay (sandboxes made from
-    them may still run), older ones retire (removed once nothing mounts them)."""
+    """Builds neither current nor tagged: the newest ``untagged_kept`` stay listed, older ones
+    are dropped in place (their roots freed by :func:`collect_dropped` once nothing names them)."""
     root = tdir / BUILDS_DIR
-    unnamed = [b for b in (root.iterdir() if root.is_dir() else []) if b.name not in named]
-    unnamed.sort(key=lambda b: (b / COMPLETE_MARKER).read_text() if (b / COMPLETE_MARKER).is_file() else "")
+    kept = [b for b in (root.iterdir() if root.is_dir() else []) if (b / COMPLETE_MARKER).is_file()]
+    unnamed = sorted(
+        (b for b in kept if b.name not in named), key=lambda b: (b / COMPLETE_MARKER).read_text()
+    )
     for bdir in unnamed[: max(0, len(unnamed) - untagged_kept)]:
-        (bdir / COMPLETE_MARKER).unlink(missing_ok=True)
-        if (bdir / "rootfs").exists():
-            _retire(bdir / "rootfs", tdir)
-        shutil.rmtree(bdir, ignore_errors=True)
-    _remove_unused_retired(tdir)
+        _drop(bdir)
+
+
+def _drop(bdir: Path) -> None:
+    """Unlist a kept build (no lookup, tag or step cache finds it again); its root stays."""
+    write_atomic(bdir / DROPPED_MARKER, f"{time.time()}\n")
+    (bdir / COMPLETE_MARKER).unlink()
+
+
+def collect_dropped(templates_dir: Path, named: set[str]) -> list[str]:
+    """Remove every dropped build and retired root no path of ``named`` (the template roots
+    sandbox and snapshot records name) points into, and then-empty deleted template
+    directories. Returns the roots removed."""
+    root = templates_dir
+    wanted = {os.path.realpath(p) for p in named}
+    removed: list[str] = []
+    for tdir in sorted(root.iterdir()) if root.is_dir() else []:
+        if tdir.is_symlink() or not tdir.is_dir():  # a shared recipe template: not this node's
+            continue
+        with _build_lock(tdir):
+            for bdir in (tdir / BUILDS_DIR).glob("*"):
+                tree = bdir / "rootfs"
+                if (bdir / DROPPED_MARKER).is_file() and os.path.realpath(tree) not in wanted:
+                    shutil.rmtree(bdir, ignore_errors=True)
+                    removed.append(str(tree))
+            # A recipe root's records name ``rootfs``, whichever build it was when recorded:
+            # replaced ones stay while anything names the template's root at all.
+            if str(tdir / "rootfs") not in named and not _mounted(tdir):
+                for tree in tdir.glob(RETIRED_PREFIX + "*"):
+                    shutil.rmtree(tree, ignore_errors=True)
+                    removed.append(str(tree))
+            with contextlib.suppress(OSError):  # left with dropped builds still in use
+                (tdir / BUILDS_DIR).rmdir()
+        _remove_if_deleted(tdir)
+    return removed
+
+
+def _remove_if_deleted(tdir: Path) -> None:
+    """A deleted template's directory once nothing is left in it (a build starting meanwhile
+    has made its staging directory in it: then it stays)."""
+    if (tdir / METADATA_FILE).exists() or [p for p in tdir.iterdir() if p.name != ".lock"]:
+        return
+    with contextlib.suppress(OSError):
+        (tdir / ".lock").unlink()
+        tdir.rmdir()
+
+
+def _mounted(tdir: Path) -> bool:
+    """A host mount names a path in the template's directory (an overlay naming its lower
+    layers absolutely: ours name them relatively, so the records above are what counts)."""
+    return f"{tdir}/" in Path("/proc/mounts").read_text()
 
 
 def set_tags(template_id: str, settings: Settings, add: dict[str, str], remove: list[str]) -> dict[str, Any]:
@@ -336,8 +501,9 @@ def set_tags(template_id: str, settings: Settings, add: dict[str, str], remove: 
 
 
 def delete_template(template_id: str, settings: Settings) -> None:
-    """Remove a template. Its root goes aside first (running sandboxes may stand on it) and is
-    removed now when nothing mounts it, else by its next build or delete."""
+    """Remove a template (E2B's: no lookup finds it, its sandboxes keep running and snapshots of
+    it stay restorable). Every build is dropped in place; :func:`collect_dropped` frees each
+    root, and then the template's directory, once no sandbox or snapshot names it."""
     tdir = template_dir(template_id, settings)
     if not tdir.is_dir():
         raise TemplateNotBuilt(f"template {template_id!r} not found")
@@ -349,14 +515,12 @@ def delete_template(template_id: str, settings: Settings) -> None:
             _retire(tdir / "rootfs")
         _drop_builds(tdir, set(), untagged_kept=0)
         for entry in tdir.iterdir():
-            if entry.name == ".lock" or entry.name.startswith(".rootfs.retired-"):
+            if entry.name in (".lock", BUILDS_DIR) or entry.name.startswith(RETIRED_PREFIX):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
-    if not any(p.name != ".lock" for p in tdir.iterdir()):
-        shutil.rmtree(tdir, ignore_errors=True)
 
 
 def list_templates(settings: Settings) -> list[dict[str, object]]:
@@ -464,14 +628,7 @@ def _retire(tree: Path, tdir: Path | None = None) -> None:
     """Move a finished rootfs out of the way (into ``tdir``, its own directory by default)
     instead of deleting it: running sandboxes may still use it as their overlay lower layer
     (``--force`` rebuilds, dropped builds)."""
-    os.rename(tree, (tdir or tree.parent) / f".rootfs.retired-{time.time_ns()}")
-
-
-def _remove_unused_retired(tdir: Path) -> None:
-    mounts = Path("/proc/mounts").read_text()
-    for retired in tdir.glob(".rootfs.retired-*"):
-        if str(retired) not in mounts:
-            shutil.rmtree(retired, ignore_errors=True)
+    os.rename(tree, (tdir or tree.parent) / f"{RETIRED_PREFIX}{time.time_ns()}")
 
 
 def _configure_rootfs(root: Path) -> None:
@@ -533,7 +690,6 @@ def build_template(template_id: str, settings: Settings, *, force: bool = False)
         partial = tdir / ".rootfs.partial"
         if partial.exists():  # an interrupted build
             shutil.rmtree(partial)
-        _remove_unused_retired(tdir)
         try:
             partial.mkdir()
             _populate(recipe, partial)

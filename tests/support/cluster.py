@@ -140,12 +140,18 @@ def gateway_proc(database_url: str, port: int, data_dir: Path) -> Proc:
 
 @contextlib.contextmanager
 def run_cluster(
-    database_url: str, s3: S3Server, defaults: Mapping[str, str] = TEST_DEFAULTS
+    database_url: str,
+    s3: S3Server,
+    defaults: Mapping[str, str] = TEST_DEFAULTS,
+    node_env: Mapping[str, Mapping[str, str]] | None = None,
+    gc_grace_seconds: str = "0",
 ) -> Iterator[Cluster]:
-    """Two nodes and a gateway on ``database_url`` and a new bucket of ``s3``; on the way out
-    (after a failure too) dead nodes are started again (their recovery cleans up), every listed
-    sandbox killed, everything stopped and the data dirs removed."""
-    s3_env = s3.agentenv_env(s3.new_bucket(), gc_grace_seconds="0", upload_templates="false")
+    """Two nodes and a gateway on ``database_url`` and a new bucket of ``s3`` (``node_env``: more
+        variables per node name, e.g. ``{"node-a": {"AGENTENV_MAX_SANDBOXES": "2"}}``; the store's sweep
+    grace is 0 unless ``gc_grace_seconds`` says: deletes free chunks at once); on the way out
+        (after a failure too) dead nodes are started again (their recovery cleans up), every listed
+        sandbox killed, everything stopped and the data dirs removed."""
+    s3_env = s3.agentenv_env(s3.new_bucket(), gc_grace_seconds=gc_grace_seconds, upload_templates="false")
     gateway_dir = Path(tempfile.mkdtemp(prefix="ae-gw-", dir="/tmp"))
     nodes: dict[str, Proc] = {}
     for name, subnet in SUBNETS.items():
@@ -156,6 +162,7 @@ def run_cluster(
             "AGENTENV_NODE_ID": name,
             "AGENTENV_SANDBOX_SUBNET": subnet,
             "AGENTENV_NODE_URL": f"http://127.0.0.1:{port}",
+            **(node_env or {}).get(name, {}),
         }
         argv = [sys.executable, "-m", "agentenv.cli.main", "node", "serve"]
         nodes[name] = Proc(

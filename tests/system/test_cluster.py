@@ -4,25 +4,33 @@ subnets and ports), driven through the official e2b SDK against the gateway only
 
 One cluster serves the module, the tests run in order: creates spread over both nodes, envd
 traffic through the gateway, lists across nodes, a node reached directly without a signature
-answers 401, a gateway restart and a second gateway lose and split nothing, then node a is
-``kill -9``ed: its sandboxes are reported gone within seconds while b's runs on, its snapshot is
-restored on b from S3, and a restarted a destroys what the cluster reported killed.
+answers 401, a fork of a's sandbox past a's room (``AGENTENV_MAX_SANDBOXES``) spills children onto
+b, the operators' CLI through the gateway, a gateway restart and a second gateway lose and split
+nothing, then node a is ``kill -9``ed: its sandboxes are reported gone within seconds while b's
+runs on, its snapshot is restored on b from S3, and a restarted a destroys what the cluster
+reported killed.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from e2b import NotFoundException, Sandbox, SandboxQuery
 from e2b.exceptions import ServiceBusyException
 
+from agentenv.api import nodeauth
 from tests.support import base_template_missing, free_port
-from tests.support.cluster import API_KEY, LOST_AFTER_S, Cluster, gateway_proc, run_cluster
-from tests.support.counter import assert_state_continues, start_state
+from tests.support.cluster import API_KEY, LOST_AFTER_S, SECRET, Cluster, gateway_proc, run_cluster
+from tests.support.counter import COUNTER_FILE, assert_state_continues, start_state
 from tests.support.leaks import wait_no_host_resources
 from tests.support.postgres import PostgresCluster
 from tests.support.s3 import s3_server
@@ -35,12 +43,16 @@ def cluster(postgres: PostgresCluster) -> Iterator[Cluster]:
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    with s3_server() as s3, run_cluster(postgres.new_database(), s3) as running:
+    # Node a takes 2 sandboxes at most: a fork of its sandbox spills over onto b.
+    node_env = {"node-a": {"AGENTENV_MAX_SANDBOXES": str(A_MAX_SANDBOXES)}}
+    with s3_server() as s3, run_cluster(postgres.new_database(), s3, node_env=node_env) as running:
         yield running
 
 
 #: Sandboxes the ordered tests share: name -> sandbox id.
 SHARED: dict[str, str] = {}
+A_MAX_SANDBOXES = 2
+AGENTENV = str(Path(sys.executable).with_name("agentenv"))
 
 
 def test_a_node_reached_directly_without_a_signature_answers_401(cluster: Cluster) -> None:
@@ -94,6 +106,98 @@ def test_list_shows_sandboxes_of_both_nodes(cluster: Cluster) -> None:
     pages = [paged.next_items(), paged.next_items()]
     assert sorted(s.sandbox_id for p in pages for s in p) == sorted(SHARED.values())
     assert not paged.has_next
+
+
+def test_a_fork_past_node_a_room_places_the_other_children_on_b(cluster: Cluster) -> None:
+    parent = Sandbox.connect(SHARED["node-a"], **cluster.sdk)
+    before = start_state(parent, "the fork's parent")
+    _wait_slots(cluster, "node-a", A_MAX_SANDBOXES - 1)  # a's heartbeat: room for one child
+    resp = httpx.post(
+        f"{cluster.gateway.url}/sandboxes/{parent.sandbox_id}/fork",
+        json={"count": 3, "timeout": 120},
+        headers={"X-API-Key": API_KEY},
+        timeout=300,
+    )
+    assert resp.status_code == 201, resp.text
+    entries = resp.json()
+    assert all("sandbox" in e for e in entries), entries
+    children = [e["sandbox"]["sandboxID"] for e in entries]
+    SHARED["children"] = " ".join(children)
+    assert sorted(cluster.owner(c) for c in children) == ["node-a", "node-b", "node-b"]
+    for child_id in children:
+        child = Sandbox.connect(child_id, **cluster.sdk)
+        assert_state_continues(child, before, "the fork's parent")  # files and the running counter
+        assert child.get_info().metadata == {"suite": "cluster"}
+    assert_state_continues(parent, before, "the fork's parent")
+    # a is full now: it refuses a create itself with E2B's 429 (the gateway would place it on b).
+    body = json.dumps({"templateID": "base", "timeout": 60}).encode()
+    signed = nodeauth.signed_headers([SECRET], "test", "POST", "/sandboxes", nodeauth.body_hash(body))
+    full = httpx.post(
+        cluster.nodes["node-a"].url + "/sandboxes",
+        content=body,
+        headers={**signed, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert full.status_code == 429 and "maximum of 2 concurrent sandboxes" in full.json()["message"], (
+        full.text
+    )
+    # The snapshot that carried the parent to b is deleted; b's children do not need it.
+    assert cluster.rows("SELECT snapshot_id FROM snapshots WHERE kind = 'snapshot'") == []
+    parent.commands.run(f"pkill -f '[c]ounter.new'; rm -f {COUNTER_FILE}")  # later tests start theirs
+
+
+def test_the_operators_cli_works_against_the_gateway(cluster: Cluster) -> None:
+    children = SHARED.pop("children").split()
+    on_b = [c for c in children if cluster.owner(c) == "node-b"]
+    listed = _cli(cluster, "sandbox", "list", "--json", "-m", "suite=cluster")
+    assert {s["sandboxID"] for s in json.loads(listed.stdout)} == {
+        *children,
+        SHARED["node-a"],
+        SHARED["node-b"],
+    }
+    ran = _cli(cluster, "sandbox", "exec", on_b[0], "--", "cat", "/home/user/state.txt")
+    assert ran.stdout == "the fork's parent"
+    logs = _cli(cluster, "sandbox", "logs", on_b[0])
+    assert logs.stdout.strip(), logs
+
+    snap = Sandbox.connect(SHARED["node-b"], **cluster.sdk).create_snapshot(name="cli-snap")
+    snapshots = _cli(cluster, "snapshot", "list", "--json", "--sandbox", SHARED["node-b"])
+    assert [s["snapshotID"] for s in json.loads(snapshots.stdout)] == [snap.snapshot_id]
+    _cli(cluster, "snapshot", "delete", snap.snapshot_id)
+
+    status = json.loads(_cli(cluster, "node", "status", "--json").stdout)
+    nodes = {n["nodeID"]: n for n in status["nodes"]}
+    assert set(nodes) == {"node-a", "node-b"} and all(n["state"] == "up" for n in nodes.values())
+    assert nodes["node-a"]["sandboxes"]["total"] == 2 and nodes["node-b"]["sandboxes"]["total"] == 3
+    assert status["sandboxes"]["total"] == 5 and status["totals"]["nodesUp"] == 2
+    table = _cli(cluster, "node", "status").stdout
+    assert "node-a" in table and "node-b" in table and "2 of 2 nodes up" in table
+    metrics = httpx.get(cluster.gateway.url + "/metrics", headers={"X-API-Key": API_KEY}, timeout=30).text
+    assert 'node="node-a"' in metrics and 'node="node-b"' in metrics, metrics[:2000]
+
+    _cli(cluster, "sandbox", "kill", *children)
+    for child_id in children:
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(child_id, **cluster.sdk)
+
+
+def _cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "E2B_API_KEY": API_KEY,
+        "E2B_API_URL": cluster.gateway.url,
+        "E2B_SANDBOX_URL": cluster.gateway.url,
+    }
+    done = subprocess.run([AGENTENV, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done
+
+
+def _wait_slots(cluster: Cluster, node_id: str, slots: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while cluster.rows("SELECT slots_free FROM nodes WHERE node_id = :n", n=node_id)[0][0] != slots:
+        assert time.monotonic() < deadline, cluster.rows("SELECT * FROM nodes WHERE node_id = :n", n=node_id)
+        time.sleep(0.2)
 
 
 def test_a_gateway_restart_and_a_second_gateway_lose_nothing(cluster: Cluster) -> None:

@@ -17,6 +17,7 @@ from agentenv.storage.templates import (
     COMPLETE_MARKER,
     TemplateError,
     build_template,
+    collect_dropped,
     is_built,
     list_templates,
     load_template,
@@ -92,8 +93,13 @@ def test_busybox_template_build_atomic_and_concurrent(tmp_path: Path) -> None:
     assert not (rebuilt.rootfs / "etc/old-tree").exists()
     retired = list(tdir.glob(".rootfs.retired-*"))
     assert len(retired) == 1 and (retired[0] / "etc/old-tree").exists()
-    build_template("busybox", settings, force=True)  # unused retired trees are removed
-    assert len(list(tdir.glob(".rootfs.retired-*"))) == 1
+    build_template("busybox", settings, force=True)
+    assert len(list(tdir.glob(".rootfs.retired-*"))) == 2
+    # Freed by the orchestrator's collection once no sandbox or snapshot records the root.
+    collect_dropped(settings.templates_dir, {str(tdir / "rootfs")})
+    assert len(list(tdir.glob(".rootfs.retired-*"))) == 2
+    collect_dropped(settings.templates_dir, set())
+    assert not list(tdir.glob(".rootfs.retired-*")) and is_built("busybox", settings)
 
 
 def test_unknown_and_invalid_templates(tmp_path: Path) -> None:

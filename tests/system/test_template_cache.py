@@ -47,7 +47,11 @@ def templates_dir() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def cache_server(templates_dir: Path) -> Iterator[ServerProcess]:
     with (
-        serve(prefix="agentenv-cache-", extra_env={"AGENTENV_TEMPLATES_PATH": str(templates_dir)}) as server,
+        serve(
+            prefix="agentenv-cache-",
+            # A pause checkpoints to disk at once: its resume restores onto the root it recorded.
+            extra_env={"AGENTENV_TEMPLATES_PATH": str(templates_dir), "AGENTENV_PAUSE_FREEZE": "false"},
+        ) as server,
         pytest.MonkeyPatch.context() as env,
     ):
         for key, value in server.sdk_env.items():
@@ -149,3 +153,84 @@ def test_build_from_a_registry_that_wants_credentials(
     # Without the credentials the same image is refused (and no cached root stands in for it).
     with pytest.raises(BuildException, match=r"(?i)unauthorized|authentication"):
         Template.build(Template().from_image(private_registry.image).run_cmd("true"), unique_id("tcnoauth-"))
+
+
+def test_a_dropped_build_stays_while_a_sandbox_or_snapshot_stands_on_it(
+    cache_server: ServerProcess, templates_dir: Path
+) -> None:
+    """Two rebuilds and a delete of the template (E2B's: its sandboxes keep running, snapshots
+    of it keep restoring) leave build 1's root to a sandbox and a snapshot of it; it is freed
+    when the sandbox is killed and the snapshot deleted."""
+    name = unique_id("tdrop-")
+    marker = unique_id("b1-")
+    first = Template().from_template("base").run_cmd(f"echo {marker} > /home/user/marker.txt")
+    _build(first, name)
+    build1 = Template.get_tags(name)[0].build_id
+    root1 = templates_dir / name / "builds" / build1 / "rootfs"
+    old = Sandbox.create(name)
+    snap = None
+    try:
+        old.files.write("/home/user/mine.txt", "written in the sandbox")
+        snap = old.create_snapshot()
+        second = first.run_cmd("echo two > /home/user/two.txt")
+        _build(second, name)
+        _build(second, name)  # every step cached: a third build of its own, no build sandbox
+        # Paused (to disk) and resumed, the sandbox of build 1 is on build 1's root, not build 3's.
+        old.pause()
+        resumed = Sandbox.connect(old.sandbox_id)
+        assert resumed.files.read("/home/user/mine.txt") == "written in the sandbox"
+        assert resumed.files.exists("/home/user/two.txt") is False
+        resp = httpx.delete(f"{cache_server.url}/templates/{name}", headers=cache_server.headers, timeout=60)
+        assert resp.status_code == 204 and Template.exists(name) is False
+        assert root1.is_dir()
+        assert resumed.files.read("/home/user/marker.txt") == f"{marker}\n"  # it runs on
+        child = Sandbox.create(snap.snapshot_id, timeout=60)
+        try:
+            assert child.files.read("/home/user/marker.txt") == f"{marker}\n"
+            assert child.files.read("/home/user/mine.txt") == "written in the sandbox"
+        finally:
+            child.kill()
+        resumed.kill()
+        assert root1.is_dir()  # the snapshot still stands on it
+    finally:
+        old.kill()
+        if snap is not None:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+    assert not root1.exists()
+    assert not (templates_dir / name).exists()
+
+
+def test_every_step_is_cached_not_only_a_builds_last(cache_server: ServerProcess) -> None:
+    """E2B caches every step: a build whose step 3 changed reuses steps 1 and 2 of an earlier
+    build that went on past them (their files, not a rerun), and runs step 3 only."""
+    name = unique_id("tstep-")
+    marker = unique_id("steps-")
+
+    def three_steps(last: str) -> TemplateClass:  # a fresh one: the SDK's builder methods mutate it
+        return (
+            Template()
+            .from_template("base")
+            .run_cmd(f"echo {marker} > /home/user/marker.txt")
+            .run_cmd(STAMP_CMD)
+            .run_cmd(last)
+        )
+
+    logs1, seconds1 = _build(three_steps("echo a > /home/user/three.txt"), f"{name}:a")
+    assert not any(m.startswith("CACHED") for m in logs1), logs1
+    logs2, seconds2 = _build(three_steps("echo b > /home/user/three.txt"), f"{name}:b")
+    print(f"\nthree steps: first build {seconds1:.1f} s; step 3 changed: {seconds2:.1f} s")
+    assert f"CACHED [builder 2/3] RUN {STAMP_CMD}" in logs2, "\n".join(logs2)
+    assert "[builder 3/3] RUN echo b > /home/user/three.txt" in logs2
+    try:
+        first, second = Sandbox.create(f"{name}:a"), Sandbox.create(f"{name}:b")
+        try:
+            assert second.files.read("/home/user/stamp.txt") == first.files.read("/home/user/stamp.txt")
+            assert second.files.read("/home/user/three.txt") == "b\n"
+            assert second.files.read("/home/user/marker.txt") == f"{marker}\n"
+            # The base recipe's ``python`` command (E2B's base template has one).
+            assert second.commands.run("python -c 'print(6 * 7)'").stdout.strip() == "42"
+        finally:
+            first.kill()
+            second.kill()
+    finally:
+        httpx.delete(f"{cache_server.url}/templates/{name}", headers=cache_server.headers, timeout=60)

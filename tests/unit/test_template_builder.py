@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -163,9 +165,44 @@ def test_untagged_builds_stay_a_while_then_go(settings: Settings) -> None:
         roots[build_id] = storage.publish_build("tpl", staging / "rootfs", meta, settings).rootfs
     # "default" moved on each time: b1..b3 are named by nothing; the newest two of them stay.
     assert [m["build_id"] for m in storage.kept_builds("tpl", settings)] == ["b2", "b3"]
-    assert not roots["b1"].exists() and roots["b2"].is_dir() and roots["b3"].is_dir()
     assert templates.load("tpl:default", settings).build_id == "b4"
     assert storage.kept_build_dir("tpl", "b2", settings) / "rootfs" == roots["b2"]  # never moved
+    # b1 is dropped (no lookup or cache finds it) but its root stays while a record names it.
+    assert roots["b1"].is_dir() and roots["b2"].is_dir() and roots["b3"].is_dir()
+    assert storage.build_metadata("tpl", "b1", settings) is None
+    assert storage.collect_dropped(settings.templates_dir, {str(roots["b1"]), str(roots["b4"])}) == []
+    assert roots["b1"].is_dir()
+    assert storage.collect_dropped(settings.templates_dir, {str(roots["b4"])}) == [str(roots["b1"])]
+    assert not roots["b1"].exists() and roots["b2"].is_dir()
+
+
+def test_a_deleted_template_stays_on_disk_while_something_stands_on_it(settings: Settings) -> None:
+    """E2B's delete: the name is gone at once, a sandbox or snapshot on a build keeps its root."""
+    roots = {}
+    for build_id in ("b1", "b2"):
+        staging = storage.build_staging("tpl", build_id, settings)
+        (staging / "rootfs").mkdir()
+        (staging / "rootfs" / "marker").write_text(build_id)
+        meta = {"build_id": build_id, "new_tags": [build_id]}
+        roots[build_id] = storage.publish_build("tpl", staging / "rootfs", meta, settings).rootfs
+    tdir = settings.templates_dir / "tpl"
+    storage.delete_template("tpl", settings)
+    with pytest.raises(templates.TemplateNotFound):
+        templates.load("tpl:b1", settings)
+    assert storage.list_templates(settings) == [] and storage.find_layer("x", settings) is None
+    # A paused sandbox records b1's root (through the template's link: the same directory).
+    assert storage.collect_dropped(settings.templates_dir, {str(roots["b1"])}) == [str(roots["b2"])]
+    assert (roots["b1"] / "marker").read_text() == "b1"
+    # A new template of the same name meanwhile is a template of its own.
+    staging = storage.build_staging("tpl", "c1", settings)
+    (staging / "rootfs").mkdir()
+    storage.publish_build("tpl", staging / "rootfs", {"build_id": "c1"}, settings)
+    assert [m["build_id"] for m in storage.kept_builds("tpl", settings)] == []
+    storage.delete_template("tpl", settings)
+    assert sorted(storage.collect_dropped(settings.templates_dir, set())) == sorted(
+        [str(roots["b1"]), str(tdir / "builds" / "c1" / "rootfs")]
+    )
+    assert not tdir.exists()
 
 
 def test_step_keys_chain_every_earlier_step() -> None:
@@ -249,3 +286,38 @@ def test_skip_cache_from_the_sdk_forces_its_step_and_the_rest(
     _publish_layer(settings, "first", "b2", keys[0])
     again = builder._cached(build, skipped, keys)
     assert again is not None and again.steps == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted.overlay xattrs need root")
+def test_a_step_layer_is_the_base_with_the_overlay_layers_applied(settings: Settings, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    for rel, text in {
+        "etc/keep": "base",
+        "etc/changed": "base",
+        "etc/gone": "base",
+        "opt/x/old": "base",
+    }.items():
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_text(text)
+    older, upper = tmp_path / "older", tmp_path / "upper"  # a restored snapshot's layer, the upper
+    (older / "etc").mkdir(parents=True)
+    (older / "etc/changed").write_text("older")
+    (older / "etc/from-older").write_text("older")
+    (upper / "etc").mkdir(parents=True)
+    (upper / "etc/changed").write_text("upper")
+    os.mknod(upper / "etc/gone", stat.S_IFCHR | 0o600, 0)  # a whiteout
+    (upper / "opt/x").mkdir(parents=True)
+    os.setxattr(upper / "opt/x", "trusted.overlay.opaque", b"y")
+    (upper / "opt/x/new").write_text("upper")
+    (upper / "link").symlink_to("etc/keep")
+    assert storage.seal_step_layer(settings, "k1", base, [upper, older], {"user": "root"})
+    assert not storage.seal_step_layer(settings, "k1", base, [upper, older], {})  # kept already
+    found = storage.find_layer("k1", settings)
+    assert found is not None and found[1]["user"] == "root"
+    root = found[0]
+    assert (root / "etc/keep").stat().st_ino == (base / "etc/keep").stat().st_ino  # shared
+    assert (root / "etc/changed").read_text() == "upper" and (base / "etc/changed").read_text() == "base"
+    assert (root / "etc/from-older").read_text() == "older"
+    assert not (root / "etc/gone").exists() and (base / "etc/gone").exists()
+    assert sorted(p.name for p in (root / "opt/x").iterdir()) == ["new"]  # the opaque dir hid "old"
+    assert os.listxattr(root / "opt/x") == [] and os.readlink(root / "link") == "etc/keep"

@@ -242,6 +242,10 @@ class GvisorRuntime(Runtime):
         if proc.returncode != 0:
             raise Failed(f"copying the root of {instance.sandbox_id} failed: {err.decode()[-800:]}")
 
+    def root_layers(self, instance: SandboxInstance) -> list[Path]:
+        paths = self.paths(instance.sandbox_id)
+        return [paths.upper, *(self.disks.layers.path(lid) for lid in self.disks.chain(paths))]
+
     async def _setup_network(self, spec: SandboxSpec) -> SandboxNetwork:
         return await network.setup_network(
             self.settings,
