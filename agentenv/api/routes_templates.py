@@ -4,7 +4,9 @@ build status and logs, tags, delete. Builds run in :mod:`agentenv.orchestrator.b
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -376,6 +378,19 @@ async def list_tags(request: Request, template_id: str) -> JSONResponse:
     )
 
 
+#: How long a delete waits for the template's snapshots being made in the background.
+SNAPSHOT_SETTLE_SECONDS = 60.0
+
+
+async def _settle_template_snapshots(orch: Orchestrator, name: str) -> None:
+    """Wait for the template's snapshots being made in the background (a create of an older
+    build starts one) to land, so the delete drops them too instead of leaving a snapshot and
+    a warm pool on a deleted build."""
+    deadline = time.monotonic() + SNAPSHOT_SETTLE_SECONDS
+    while orch.template_snapshots.making(name) and time.monotonic() < deadline:  # noqa: ASYNC110 (no event to wait on)
+        await asyncio.sleep(0.1)
+
+
 # Declared after ``/templates/tags``: a path parameter would take "tags" too.
 @router.delete("/templates/{template_id}", dependencies=AUTH)
 async def delete_template(request: Request, template_id: str) -> Response:
@@ -399,6 +414,7 @@ async def delete_template(request: Request, template_id: str) -> Response:
         storage.is_built(name, settings) and not storage.read_metadata(name, settings).get("build_id")
     ):
         raise Forbidden(f"template '{name}' is built from this node's recipe (agentenv template build)")
+    await _settle_template_snapshots(orch, name)
     await orch.template_snapshots.forget(name)
     the_builder.forget(name)
     if storage.template_dir(name, settings).exists():

@@ -15,9 +15,11 @@ Steps are numbered as the SDK numbers its stack traces: ``base`` for the ``from_
 ``reason.step`` names the step and its message carries the step's last output.
 
 Step cache (E2B's layers): every step has a key chained from the previous one's
-(:func:`step_keys`); a build whose leading steps some finished build ended with starts its build
-sandbox on that build's root and logs those steps ``CACHED``; all of them cached, the root is a
-hard-linked copy (:func:`agentenv.storage.templates.share_layer`). ``force`` (the SDK's
+(:func:`step_keys`); after each step but the last the build sandbox's root is kept as that key's
+step layer (:func:`agentenv.storage.templates.seal_step_layer`; the build's own root is its last
+step's). A build whose leading steps have a step layer, or a finished build that ended with them,
+starts its build sandbox on that root and logs those steps ``CACHED``; all of them cached, the
+root is a hard-linked copy (:func:`agentenv.storage.templates.share_layer`). ``force`` (the SDK's
 ``skip_cache``) runs its step and every later one.
 
 Build state lives in memory (a restarted server knows the finished builds a template keeps,
@@ -438,7 +440,7 @@ class TemplateBuilder:
         return _digest(["image", spec.from_image, *_registry_identity(spec.registry)])
 
     def _cached(self, build: Build, spec: BuildSpec, keys: list[str]) -> _CacheHit | None:
-        """The longest run of leading steps a finished build already has a root of (none with
+        """The longest run of leading steps a step layer or finished build has a root of (none with
         ``force``, and none from the first step with ``force`` on: the SDK's ``skip_cache``)."""
         if spec.force or not keys:
             return None

@@ -277,6 +277,9 @@ class SnapshotCatalog:
 
         named: set[str] = await self.store.db.read(sandbox_roots)
         for row in await self.rows():
-            if row.info.get("template_rootfs"):
-                named.add(str(row.info["template_rootfs"]))
+            root = row.info.get("template_rootfs")
+            # A template snapshot serves creates of its build only: of a dropped build (one made
+            # in the background as the build was dropped, say), it is never restored again.
+            if root and not (row.kind == "template" and template_storage.is_dropped_root(Path(root))):
+                named.add(str(root))
         return named

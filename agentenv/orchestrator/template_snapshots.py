@@ -91,6 +91,10 @@ class TemplateSnapshots:
         await self.pool.drop(snap.key)
         await self._catalog.delete(snap.row.snapshot_id)
 
+    def making(self, template_id: str) -> bool:
+        """Whether a snapshot of ``template_id`` (any build, runtime) is being made right now."""
+        return any(key.split(":")[1:2] == [template_id] for key in self._building)
+
     # -- making them -------------------------------------------------------------------------
 
     def _ensure(self, key: str, info: templates.TemplateInfo, runtime: Runtime) -> None:

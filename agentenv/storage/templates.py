@@ -18,6 +18,8 @@ sandboxes of an older build keep running (and resume) on it.
 A build's ``template.json`` names its *layer key* (the step cache key of its last step, see
 :mod:`agentenv.orchestrator.builder`): :func:`find_layer` finds a finished root of that key in
 any template, which a later build takes as its starting point (hard-linked, read-only shared).
+Every earlier step's root is kept too, as a *step layer* under ``{data_dir}/build-steps/<key>/``
+(:func:`seal_step_layer`), so a build with step *k* changed starts from step *k - 1*'s.
 
 A build that is dropped (an untagged one past the newest few, every build of a deleted template)
 loses its ``.complete`` marker and gets ``.dropped`` instead, but its root stays where it is:
@@ -474,6 +476,11 @@ def _remove_if_deleted(tdir: Path) -> None:
     with contextlib.suppress(OSError):
         (tdir / ".lock").unlink()
         tdir.rmdir()
+
+
+def is_dropped_root(rootfs: Path) -> bool:
+    """``rootfs`` is the root of a dropped build (or already gone)."""
+    return (rootfs.parent / DROPPED_MARKER).is_file() or not rootfs.is_dir()
 
 
 def _mounted(tdir: Path) -> bool:

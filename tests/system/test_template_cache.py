@@ -218,7 +218,10 @@ def test_every_step_is_cached_not_only_a_builds_last(cache_server: ServerProcess
     logs1, seconds1 = _build(three_steps("echo a > /home/user/three.txt"), f"{name}:a")
     assert not any(m.startswith("CACHED") for m in logs1), logs1
     logs2, seconds2 = _build(three_steps("echo b > /home/user/three.txt"), f"{name}:b")
-    print(f"\nthree steps: first build {seconds1:.1f} s; step 3 changed: {seconds2:.1f} s")
+    sealed = [m for m in logs1 if "kept as a cache layer" in m]
+    print(
+        f"\nthree steps: first build {seconds1:.1f} s ({'; '.join(sealed)}); step 3 changed: {seconds2:.1f} s"
+    )
     assert f"CACHED [builder 2/3] RUN {STAMP_CMD}" in logs2, "\n".join(logs2)
     assert "[builder 3/3] RUN echo b > /home/user/three.txt" in logs2
     try:
