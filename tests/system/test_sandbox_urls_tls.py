@@ -16,8 +16,11 @@ covers the listener's and the responder's details.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,7 +33,7 @@ import pytest
 from dnslib import QTYPE, DNSRecord
 from e2b import AsyncSandbox, Sandbox
 
-from tests.support import free_port
+from tests.support import REPO, free_port
 from tests.support.server import ServerProcess, start_server
 
 pytestmark = [pytest.mark.requires_root("sandboxes")]
@@ -74,10 +77,8 @@ def tls_server() -> Iterator[TlsNode]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-@pytest.fixture
-def sdk_over_tls(tls_server: TlsNode, monkeypatch: pytest.MonkeyPatch) -> TlsNode:
-    """This process trusts the node's CA and resolves the sandbox domain through its responder."""
-    server, dns_port, asked = tls_server.server, tls_server.dns_port, tls_server.asked
+def _resolve_sandbox_names(dns_port: int, asked: list[str]) -> None:
+    """This process resolves names under the sandbox domain through the node's responder."""
     system_getaddrinfo = socket.getaddrinfo
 
     def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,23 +89,41 @@ def sdk_over_tls(tls_server: TlsNode, monkeypatch: pytest.MonkeyPatch) -> TlsNod
             host = next(str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A)
         return system_getaddrinfo(host, *args, **kwargs)
 
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setenv("SSL_CERT_FILE", str(server.data_dir / "tls" / "ca-bundle.pem"))
-    for key in ("E2B_SANDBOX_URL", "E2B_DEBUG"):  # another module's server may have set them
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("E2B_API_URL", server.url)
-    monkeypatch.setenv("E2B_API_KEY", server.api_key)
-    return tls_server
+    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
 
 
-def test_the_sdk_and_get_host_go_through_the_https_listener(sdk_over_tls: TlsNode) -> None:
-    node = sdk_over_tls
+def test_the_sdk_and_get_host_go_through_the_https_listener(tls_server: TlsNode) -> None:
+    """In a process of its own that starts with ``SSL_CERT_FILE`` set, as a user's program does:
+    TLS clients (the SDK's pyqwest among them) read their trust roots once per process, so a
+    variable set after some other test's client was made would not reach them."""
+    server = tls_server.server
+    env = {k: v for k, v in os.environ.items() if k not in ("E2B_SANDBOX_URL", "E2B_DEBUG")}
+    env |= {
+        "SSL_CERT_FILE": str(server.data_dir / "tls" / "ca-bundle.pem"),
+        "E2B_API_URL": server.url,
+        "E2B_API_KEY": server.api_key,
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.system.test_sandbox_urls_tls",
+        str(tls_server.dns_port),
+        tls_server.tls_host,
+    ]
+    proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ok: sdk, get_host and async over TLS" in proc.stdout
+
+
+def _client(dns_port: int, tls_host: str) -> None:
+    asked: list[str] = []
+    _resolve_sandbox_names(dns_port, asked)
     sbx = Sandbox.create("base", timeout=120)
     try:
         # envd's own traffic: https://49983-{id}.{domain}:{tls port}, the node's certificate.
         sbx.files.write("/home/user/www/index.html", "served in the sandbox")
         assert sbx.commands.run("cat /home/user/www/index.html").stdout == "served in the sandbox"
-        assert sbx.envd_api_url == f"https://49983-{sbx.sandbox_id}.{node.tls_host}"
+        assert sbx.envd_api_url == f"https://49983-{sbx.sandbox_id}.{tls_host}"
         sbx.commands.run("cd /home/user/www && python3 -m http.server 8000", background=True)
         url = f"https://{sbx.get_host(8000)}/index.html"
         deadline = time.monotonic() + 20
@@ -119,14 +138,19 @@ def test_the_sdk_and_get_host_go_through_the_https_listener(sdk_over_tls: TlsNod
             time.sleep(0.2)
         assert resp.text == "served in the sandbox"
         assert resp.url.scheme == "https" and resp.url.host == f"8000-{sbx.sandbox_id}.{DOMAIN}"
-        assert resp.url.host in node.asked  # resolved by the node's responder
+        assert resp.url.host in asked  # resolved by the node's responder
         # The async SDK takes the same path.
         asyncio.run(_async_commands(sbx.sandbox_id))
     finally:
         sbx.kill()
+    print("ok: sdk, get_host and async over TLS", flush=True)
 
 
 async def _async_commands(sandbox_id: str) -> None:
     sbx = await AsyncSandbox.connect(sandbox_id)
     result = await sbx.commands.run("echo async-over-tls")
     assert result.stdout == "async-over-tls\n"
+
+
+if __name__ == "__main__":
+    _client(int(sys.argv[1]), sys.argv[2])
