@@ -9,7 +9,7 @@ holds /tmp and the page cache.
 
 So while a sandbox runs, its cgroup's OOM killer is off (``memory.oom_control`` = 1: at the
 limit its tasks wait instead) and an eventfd on ``memory.oom_control`` wakes its :class:`Guard`
-when the cgroup is out of memory. The guard lends the cgroup :data:`SLACK_BYTES` above its
+when the cgroup is out of memory. The guard lends the cgroup :data:`SLACK_BYTES` (or its limit) above its
 limit, kills the process inside with the largest resident set (never envd, pid 1) through
 ``runsc exec`` of the envd bundle's Python (the same choice Linux's OOM killer makes inside a
 VM), and takes the loan back. The sandbox sees MemTotal = its limit (runsc reports the cgroup
@@ -37,10 +37,12 @@ from agentenv.storage.envd_bundle import envd_argv
 log = logging.getLogger(__name__)
 
 #: Memory lent to an out-of-memory sandbox so that the kill inside can run (a Python start):
-#: at least this, or half the limit. The loan wakes the hog too, which keeps allocating until
-#: the kill lands (100-200 ms of ``runsc exec``): a loan it eats up first leaves the exec stuck
-#: (then the kernel's OOM killer is let back in, see :func:`_relieve`).
-SLACK_BYTES = 128 << 20
+#: at least this, or the whole limit. The loan wakes the hog too, which keeps allocating until
+#: the kill lands (100-200 ms of ``runsc exec`` under ptrace, more under systrap, whose process
+#: starts cost twice as much here): a loan it eats up first leaves the exec stuck (then the
+#: kernel's OOM killer is let back in, see :func:`_relieve`). Half the limit was seen eaten
+#: first under systrap (the hog's command hung at the limit until its client gave up).
+SLACK_BYTES = 256 << 20
 #: Seconds the kill inside may take.
 KILL_TIMEOUT = 10.0
 
@@ -140,7 +142,7 @@ async def _relieve(runsc: Runsc, paths: SandboxPaths, group: Path, report: Path)
     """Lend the slack, kill the largest process inside, take the slack back."""
     limit_file = group / "memory.limit_in_bytes"
     limit = int(limit_file.read_text())
-    limit_file.write_text(str(limit + max(SLACK_BYTES, limit // 2)))
+    limit_file.write_text(str(limit + max(SLACK_BYTES, limit)))
     try:
         argv = [*envd_argv()[:4], "-I", "-c", KILL_LARGEST]
         try:
