@@ -335,6 +335,24 @@ async def exchange(
         raise
 
 
+#: What a failed upstream websocket handshake raises.
+WEBSOCKET_FAILURES = (OSError, websockets.InvalidHandshake, TimeoutError)
+
+
+async def connect_websocket(
+    url: str, headers: list[tuple[str, str]], scope: Scope
+) -> websockets.ClientConnection:
+    """Open the upstream side of a relayed websocket with the client's subprotocols."""
+    return await websockets.connect(
+        url,
+        additional_headers=headers,
+        subprotocols=scope.get("subprotocols") or None,
+        max_size=None,
+        open_timeout=10,
+        proxy=None,
+    )
+
+
 @dataclass(frozen=True)
 class SignedFilesUrl:
     """The signature part of a signed ``/files`` URL (the SDKs' ``download_url``/``upload_url``)."""
@@ -648,15 +666,10 @@ class SandboxProxy:
             return
         headers = [(k, v) for k, v in forward_headers(scope, target) if not k.startswith("sec-websocket-")]
         try:
-            upstream = await websockets.connect(
-                self._url(scope, route, target.port, scheme="ws"),
-                additional_headers=headers,
-                subprotocols=scope.get("subprotocols") or None,  # type: ignore[arg-type]
-                max_size=None,
-                open_timeout=10,
-                proxy=None,
+            upstream = await connect_websocket(
+                self._url(scope, route, target.port, scheme="ws"), headers, scope
             )
-        except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
+        except WEBSOCKET_FAILURES as exc:
             log.debug("websocket to %s:%s failed: %s", target.sandbox_id, target.port, exc)
             await send(
                 {"type": "websocket.close", "code": 1011, "reason": self._unreachable(target)[1][:120]}

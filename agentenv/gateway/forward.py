@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import h11
 import httpx
-import websockets
 from starlette.types import Receive, Scope, Send
 
 from agentenv.api import nodeauth
 from agentenv.api.limits import _STREAMED_PATHS
 from agentenv.api.proxy import (
     HOP_BY_HOP,
+    WEBSOCKET_FAILURES,
     Target,
     UpstreamError,
     _ClientGone,
@@ -36,6 +36,7 @@ from agentenv.api.proxy import (
     _relay_websocket,
     _UploadTooLarge,
     _Upstream,
+    connect_websocket,
     exchange,
     is_ascii_number,
     not_found_message,
@@ -242,15 +243,10 @@ class EnvdRelay:
             if k != "host" and not k.startswith("sec-websocket-")
         ]
         try:
-            upstream = await websockets.connect(
-                f"ws://{host}:{port}{nodeauth.request_target(scope)}",
-                additional_headers=headers,
-                subprotocols=scope.get("subprotocols") or None,  # type: ignore[arg-type]
-                max_size=None,
-                open_timeout=10,
-                proxy=None,
+            upstream = await connect_websocket(
+                f"ws://{host}:{port}{nodeauth.request_target(scope)}", headers, scope
             )
-        except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
+        except WEBSOCKET_FAILURES as exc:
             log.info("websocket relay to %s on %s failed: %s", target.sandbox_id, node.node_id, exc)
             await send(
                 {"type": "websocket.close", "code": 1011, "reason": not_found_message(target.sandbox_id)}
