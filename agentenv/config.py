@@ -142,6 +142,9 @@ class Settings(BaseSettings):
     #: pool up to ``high``. ``high = 0`` turns pooling off.
     warm_pool_low: int = 1
     warm_pool_high: int = 2
+    #: A refill (warm pool or standbys) starts once no sandbox was claimed for this long, so a
+    #: claimed sandbox's first commands do not share the cores with a restore (0: at once).
+    pool_refill_quiet_ms: int = 1000
     #: Standbys: a user snapshot restored more than once keeps this many sandboxes restored from it
     #: ahead of demand (0 turns standbys off), for at most ``snapshot_standby_snapshots`` snapshots.
     snapshot_standbys: int = 2

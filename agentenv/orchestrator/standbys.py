@@ -39,7 +39,7 @@ class Standbys:
         #: Snapshots with standbys, least recently used first.
         self._rows: collections.OrderedDict[str, SnapshotRow] = collections.OrderedDict()
         high = settings.snapshot_standbys
-        self.pool = WarmPool(min(1, high), high, self._make, self._kill)
+        self.pool = WarmPool(min(1, high), high, self._make, self._kill, settings.pool_refill_quiet_ms / 1000)
 
     async def claim(self, row: SnapshotRow) -> SandboxInstance | None:
         """A standby of ``row`` (None: restore one), counting the restore towards getting standbys."""

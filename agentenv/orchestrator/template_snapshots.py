@@ -58,6 +58,7 @@ class TemplateSnapshots:
             settings.warm_pool_high,
             self._make_pooled,
             self._kill_pooled,
+            settings.pool_refill_quiet_ms / 1000,
         )
 
     def key(self, info: templates.TemplateInfo, runtime: Runtime) -> str:

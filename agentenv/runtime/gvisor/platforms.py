@@ -5,11 +5,19 @@ gVisor intercepts the system calls of sandboxed processes through its *platform*
 ptrace stop per system call), ``systrap`` (seccomp traps served by stub threads, runsc's default
 since 2023) or ``kvm`` (only with VT-x/AMD-V; on a /dev/kvm without them runsc hangs). Which one
 is fastest depends on the host kernel and CPU, so each candidate runs one small container here
-and we time what a sandbox's life costs: a ``runsc run`` (a cold create), process starts inside
-(every command), a checkpoint and a restore (pause, snapshot, every create from a template
-snapshot). :data:`WEIGHTS` says how many of each one sandbox's life is taken to have; the
-smallest weighted sum wins. The measurement costs a few seconds, once per runsc binary and
-kernel: the result is kept in :data:`CACHE_FILE` under that key.
+and we time what a sandbox's life costs: a ``runsc run`` (a cold create), commands (an HTTP
+request to a server inside that starts ``sh -c "echo hi"`` with its output captured and answers
+with it: envd's path for every ``commands.run``), a checkpoint and a restore (pause, snapshot,
+every create from a template snapshot). :data:`WEIGHTS` says how many of each one sandbox's life
+is taken to have; the smallest weighted sum wins. The measurement costs a few seconds, once per
+runsc binary, kernel and :data:`PROBE_VERSION`: the result is kept in :data:`CACHE_FILE` under that
+key.
+
+Why commands weigh most: on a 2-core PVM machine (kernel 6.18) systrap restored faster (115 vs
+165 ms) and started bare processes slower (12.5 vs 6.8 ms), and a probe that weighed 20 process
+starts against one run and two restores picked it; ``commands.run("echo hi")`` through envd then
+took 74-80 ms p50 against ptrace's 19-23 ms (docs/LATENCY.md). Restores mostly run ahead of demand
+(warm pools, standbys), off the caller's path; an agent's episode runs tens of commands.
 
 The probe container runs the host's own root file system read-only, without network, as root:
 nothing it runs is untrusted.
@@ -39,22 +47,51 @@ log = logging.getLogger(__name__)
 #: Machine-wide: the measurement is about the runsc binary and the kernel, not one data directory
 #: (every test server has its own data directory and must not measure again).
 CACHE_FILE = Path("/var/cache/agentenv/runsc-platform.json")
-#: How many of each operation one sandbox's life is taken to have: it starts once (mostly a
-#: restore from a template snapshot, sometimes a cold run), runs a handful of commands (each a
-#: login shell: several process starts), and is paused and resumed once.
-WEIGHTS = {"run_ms": 1.0, "process_start_ms": 20.0, "checkpoint_ms": 1.0, "restore_ms": 2.0}
-#: Process starts timed inside the probe container.
-STARTS = 20
+#: How many of each operation one sandbox's life is taken to have: it starts once (a restore from
+#: a template snapshot, mostly made ahead of demand; sometimes a cold run), runs an agent's episode
+#: of commands (tens of tool calls), and is paused and resumed once.
+WEIGHTS = {"run_ms": 1.0, "command_ms": 50.0, "checkpoint_ms": 1.0, "restore_ms": 1.0}
+#: Part of the cache key: a new probe (what it times, its weights) measures again.
+PROBE_VERSION = 2
+#: Commands timed inside the probe container (the median counts).
+COMMANDS = 30
 #: Rounds per platform; each operation counts with its fastest round (the machine is shared).
 ROUNDS = 2
 #: Seconds any one probe step may take (a platform that cannot run here may hang).
 STEP_TIMEOUT = 30.0
 
-#: Times ``STARTS`` process starts inside the container and prints the nanoseconds they took.
-_START_LOOP = (
-    f"a=$(date +%s%N); i=0; while [ $i -lt {STARTS} ]; do /bin/true; i=$((i+1)); done; "
-    "echo $(($(date +%s%N) - a))"
-)
+#: A server answering each POST with the output of ``sh -c "echo hi"`` (run with captured pipes,
+#: as envd runs a command) and a client process timing :data:`COMMANDS` requests over loopback, each
+#: on a new connection; prints the median in nanoseconds.
+_COMMAND_LOOP = f"""
+import http.client, http.server, os, subprocess, threading, time
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        out = subprocess.run(["/bin/sh", "-c", "echo hi"], capture_output=True).stdout
+        self.send_response(200)
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+client = os.fork()
+if client == 0:
+    times = []
+    for _ in range({COMMANDS}):
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1])
+        start = time.perf_counter_ns()
+        conn.request("POST", "/", body=b"echo hi")
+        assert conn.getresponse().read() == b"hi\\n"
+        times.append(time.perf_counter_ns() - start)
+        conn.close()
+    print(sorted(times)[len(times) // 2], flush=True)
+    os._exit(0)
+os.waitpid(client, 0)  # not os.wait(): that could reap a command the server is running
+"""
 #: A Python process holding 40 MiB of non-zero memory, like envd's heap: what a checkpoint saves.
 _HOLDER = "x = bytes(range(256)) * (160 << 10); print('ready', flush=True); import time; time.sleep(600)"
 
@@ -121,24 +158,25 @@ def _one_round(runsc: Runsc, platform: str) -> Measurement:
     scratch.mkdir(parents=True, exist_ok=True)
     flags = runsc.sandbox_flags(platform, network="none")
     try:
-        return {**_time_starts(runsc, flags, scratch), **_time_checkpoint(runsc, flags, scratch)}
+        return {**_time_commands(runsc, flags, scratch), **_time_checkpoint(runsc, flags, scratch)}
     finally:
         runsc.kill_all()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _time_starts(runsc: Runsc, flags: list[str], scratch: Path) -> Measurement:
-    """A run whose init times process starts inside: the rest of the run's wall time is the
-    sandbox's own start and exit."""
-    bundle = _bundle(scratch / "starts", ["/bin/sh", "-c", _START_LOOP])
+def _time_commands(runsc: Runsc, flags: list[str], scratch: Path) -> Measurement:
+    """A run whose init times commands inside: the rest of the run's wall time is the sandbox's
+    own start and exit (and the Python interpreter's)."""
+    python = os.path.realpath(sys.executable)
+    bundle = _bundle(scratch / "commands", [python, "-S", "-c", _COMMAND_LOOP])
     started = time.monotonic()
-    out = _step(runsc.command(*flags, "run", "--bundle", str(bundle), "probe-starts"))
+    out = _step(runsc.command(*flags, "run", "--bundle", str(bundle), "probe-commands"))
     wall_ms = (time.monotonic() - started) * 1000
     numbers = re.findall(r"^\d+$", out, re.MULTILINE)
     if not numbers:
-        raise ProbeFailed(f"the process-start loop printed no time: {out[-300:]!r}")
-    loop_ms = int(numbers[-1]) / 1e6
-    return {"process_start_ms": loop_ms / STARTS, "run_ms": wall_ms - loop_ms}
+        raise ProbeFailed(f"the command loop printed no time: {out[-300:]!r}")
+    command_ms = int(numbers[-1]) / 1e6
+    return {"command_ms": command_ms, "run_ms": max(0.0, wall_ms - COMMANDS * command_ms)}
 
 
 def _time_checkpoint(runsc: Runsc, flags: list[str], scratch: Path) -> Measurement:
@@ -213,12 +251,13 @@ def _wait_for_line(path: Path, line: str) -> None:
 
 
 def _cache_key(binary: str) -> str:
-    """The runsc binary (resolved path, size, mtime: an upgrade changes them) and the kernel."""
+    """The runsc binary (resolved path, size, mtime: an upgrade changes them), the kernel and the
+    probe's version."""
     path = shutil.which(binary) or binary
     real = os.path.realpath(path)
     st = os.stat(real)
     uname = os.uname()
-    return f"{real}:{st.st_size}:{st.st_mtime_ns} {uname.release} {uname.version}"
+    return f"{real}:{st.st_size}:{st.st_mtime_ns} {uname.release} {uname.version} probe {PROBE_VERSION}"
 
 
 def _read_cache(cache_file: Path) -> dict[str, dict[str, object]]:
