@@ -23,7 +23,9 @@ Every sandbox's origin (``warm_pool``, ``standby``, ``snapshot``...) and every p
 (``frozen``, ``disk``) is read from the server's registry (``<data_dir>/agentenv.sqlite3``): a
 sample lands in a row only when the server really took that path (the others are counted in
 ``paths_seen``). Before each timed operation the bench waits until no warm pool or standby pool
-is refilling (a restore in the background would share the two cores with the measurement).
+is refilling (a restore in the background would share the two cores with the measurement) and
+then until the cores are quiet (at most 3 s: a sandbox just restored into a pool runs for a
+few hundred milliseconds more).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ STATE_PROCESS = "nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &"
 #: Creates from one snapshot before it gets standbys (agentenv.orchestrator.standbys).
 RESTORES_BEFORE_STANDBYS = 2
 POOL_WAIT_SECONDS = 60.0
+#: After the pools settle, wait (at most this long) until the machine is quiet: a sandbox just
+#: restored into a pool still runs for a few hundred ms (its sentry, envd settling).
+QUIET_WAIT_SECONDS = 3.0
+#: Quiet: all cores together busy less than this fraction over :data:`QUIET_WINDOW_SECONDS`.
+QUIET_BUSY = 0.15
+QUIET_WINDOW_SECONDS = 0.1
 #: A server's start-up: the template is booted and snapshotted, then its pool restored.
 START_WAIT_SECONDS = 180.0
 REQUEST_TIMEOUT = 600.0
@@ -285,6 +293,7 @@ class Pools:
                 )
                 self._pending.clear()
             time.sleep(0.02)
+        _wait_quiet()
         self.waited_s += time.monotonic() - started
 
     @staticmethod
@@ -293,6 +302,25 @@ class Pools:
 
 
 # -- small helpers ---------------------------------------------------------------------------
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _wait_quiet() -> None:
+    """Until the cores are busy less than :data:`QUIET_BUSY` over a short window, at most
+    :data:`QUIET_WAIT_SECONDS` (a shared machine may never be quiet: then measure anyway)."""
+    deadline = time.monotonic() + QUIET_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        busy0, total0 = _cpu_times()
+        time.sleep(QUIET_WINDOW_SECONDS)
+        busy1, total1 = _cpu_times()
+        if total1 > total0 and (busy1 - busy0) / (total1 - total0) < QUIET_BUSY:
+            return
 
 
 def _sdk(server: ServerProcess) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import logging
 import os
 import shlex
 import signal
+import stat
 import subprocess
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -215,18 +216,25 @@ class _Watches:
         """Whether every signed path still looks as it did: also changes no inotify saw (a
         restore onto a different disk, a mount). Paths of a capture still under way are not
         signed yet; it signs them when it ends."""
-        current = {path: _signature(path) for path in self._signatures}
-        return not self._stale and current == self._signatures
+        current = self._current_signatures()
+        return not self._stale and all(current.get(path) == sig for path, sig in self._signatures.items())
 
     def _current_signatures(self) -> dict[str, tuple[int, ...] | None]:
-        paths: list[str] = []
+        """A signature of each relevant path: of a file, its identity, size and times; of a
+        directory, its identity, and its times only when the profile enumerated it (its listing is
+        what they reflect). A file written next to ``~/.profile``, a shim added to a directory on
+        PATH, change their directory's times, not what a login reads: they must not drop the
+        captures (they did: every standby restored from a snapshot of a sandbox that had written a
+        file in its home ran its first commands with the profile, beside a new capture)."""
+        listed: dict[str, bool] = {}  # path -> whether its listing matters
         for directory, names in self.relevant.items():
-            paths.append(directory)
+            listed[directory] = listed.get(directory, False) or names is None
             if names is None:
                 with contextlib.suppress(OSError):
                     names = set(os.listdir(directory))
-            paths.extend(os.path.join(directory, name) for name in names or ())
-        return {path: _signature(path) for path in paths}
+            for name in names or ():
+                listed.setdefault(os.path.join(directory, name), False)
+        return {path: _signature(path, listing=listing) for path, listing in listed.items()}
 
     def close(self) -> None:
         for watcher in self._watchers.values():
@@ -234,11 +242,14 @@ class _Watches:
         self._watchers.clear()
 
 
-def _signature(path: str) -> tuple[int, ...] | None:
+def _signature(path: str, *, listing: bool) -> tuple[int, ...] | None:
+    """How ``path`` looks (None: it does not exist); see ``_Watches._current_signatures``."""
     try:
         st = os.stat(path)
     except OSError:
         return None
+    if stat.S_ISDIR(st.st_mode) and not listing:
+        return st.st_dev, st.st_ino, st.st_mode
     return st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 

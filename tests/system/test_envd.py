@@ -1477,6 +1477,23 @@ def test_init_keeps_captured_logins_only_while_nothing_changed(login_envd: Login
         httpx.post(f"{login_envd.envd.url}/init", json={"defaultUser": "loginuser"})
 
 
+def test_init_keeps_captured_logins_when_other_files_of_home_change(login_envd: LoginEnvd) -> None:
+    """A file written next to ``~/.profile`` (a snapshot's sandbox wrote its work there) changes
+    the home directory's times, not what the login reads: the capture stands after /init, and the
+    very first command after it starts without the profile (no new capture to wait for)."""
+    assert login_envd.uses_captured_login()
+    work = login_envd.home / "state.txt"
+    work.write_text("written by the sandbox")
+    os.chown(work, LOGIN_UID, LOGIN_UID)
+    try:
+        resp = httpx.post(f"{login_envd.envd.url}/init", json={"defaultUser": "loginuser"})
+        assert resp.status_code == 204
+        cmdline = login_envd.run("line=$(tr '\\0' ' ' < /proc/$$/cmdline); echo \"$line\"")
+        assert "--noprofile" in cmdline, cmdline
+    finally:
+        work.unlink()
+
+
 def test_envd_keeps_no_idle_processes(login_envd: LoginEnvd) -> None:
     """No pre-started shells: between commands envd has no children (nothing of a user's
     lingers, nothing extra is in a sandbox's checkpoint)."""
