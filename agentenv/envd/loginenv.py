@@ -243,14 +243,17 @@ class _Watches:
 
 
 def _signature(path: str, *, listing: bool) -> tuple[int, ...] | None:
-    """How ``path`` looks (None: it does not exist); see ``_Watches._current_signatures``."""
+    """How ``path`` looks (None: it does not exist); see ``_Watches._current_signatures``. Not
+    its device and inode numbers: gVisor numbers a restored sandbox's overlay anew (a standby of a
+    user snapshot saw every file of the profile "replaced", and dropped the captures); a file put
+    in place of another has its own times (``ctime`` is set by every change, rename included)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
     if stat.S_ISDIR(st.st_mode) and not listing:
-        return st.st_dev, st.st_ino, st.st_mode
-    return st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+        return (st.st_mode,)
+    return st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _existing_parent(path: str, whole: bool) -> tuple[str, str | None]:

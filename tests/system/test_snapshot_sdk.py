@@ -64,6 +64,28 @@ def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, agentenv_s
     assert not (snapshots_dir / snap.snapshot_id).exists()
 
 
+def test_a_restored_sandbox_keeps_its_captured_login(parent: Sandbox) -> None:
+    """envd captures the login once (docs/LATENCY.md); a restore renumbers the overlay's inodes
+    and a file written in the home changes its times, neither of which is what the profile read:
+    the child's very first command starts without the profile (``--noprofile``), not through a
+    ``bash -l`` of its own beside a new capture (that cost 50-100 ms per first command here)."""
+    show_cmdline = "line=$(tr '\\0' ' ' < /proc/$$/cmdline); echo \"$line\""
+    for _ in range(3):  # the default user's login is captured in the background at start-up
+        if "--noprofile" in parent.commands.run(show_cmdline).stdout:
+            break
+        time.sleep(0.5)
+    parent.files.write("/home/user/work.txt", "written next to .profile")
+    snap = parent.create_snapshot()
+    child = Sandbox.create(snap.snapshot_id, timeout=120)
+    try:
+        first = child.commands.run(show_cmdline).stdout
+        assert "--noprofile" in first, first
+        assert child.files.read("/home/user/work.txt") == "written next to .profile"
+    finally:
+        child.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 def test_fork_16_children_diverge_and_survive_the_parent(parent: Sandbox) -> None:
     before = start_state(parent)
     started = time.monotonic()
