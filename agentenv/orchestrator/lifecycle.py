@@ -1363,16 +1363,19 @@ class Orchestrator:
     async def fork(self, sandbox_id: str, count: int, timeout_seconds: int) -> list[ForkOutcome]:
         """``count`` independent children with the parent's memory, processes and disk.
 
-        The parent is checkpointed and stopped once; then it is restored in place *alongside*
-        its children (it is one more restore of the same image). Each child's timeout starts
-        when the call returns, not when it was restored: a caller must be able to use it."""
+        The parent is checkpointed once. Where the runtime can, it keeps running through the
+        checkpoint (paused only for it); else it is stopped and restored in place *alongside*
+        its children (one more restore of the same image). Each child's timeout starts when the
+        call returns, not when it was restored: a caller must be able to use it."""
         if not 1 <= count <= MAX_FORK_COUNT:
             raise Invalid(f"count must be between 1 and {MAX_FORK_COUNT}")
         started = time.monotonic()
         async with self._operate(sandbox_id, "fork") as rec:
+            assert rec.instance is not None
+            keeps_running = await self._runtime(rec).snapshot_keeps_running(rec.instance)
             self._detach(sandbox_id)
             try:
-                row = await self._take_snapshot(rec, "fork", stop=True)
+                row = await self._take_snapshot(rec, "fork", stop=not keeps_running)
             except Exception as exc:
                 await self._after_failed_snapshot(rec, exc)
                 raise_failure(exc, f"fork of sandbox {sandbox_id}")
@@ -1380,7 +1383,10 @@ class Orchestrator:
             children = [
                 asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds)) for _ in range(count)
             ]
-            await asyncio.shield(self._revive_parent(rec, row))
+            if keeps_running:
+                self._attach(rec)
+            else:
+                await asyncio.shield(self._revive_parent(rec, row))
         try:
             outcomes = await asyncio.shield(asyncio.gather(*children))
         finally:

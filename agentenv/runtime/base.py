@@ -104,6 +104,12 @@ class Runtime(abc.ABC):
 
     # -- memory-state lifecycle (pause/resume, snapshots, fork) -------------------------------
 
+    async def snapshot_keeps_running(self, instance: SandboxInstance) -> bool:
+        """Whether ``snapshot(stop=False)`` would leave ``instance`` running (paused only for the
+        checkpoint) rather than stop it and restore it in place. A fork asks: a parent that keeps
+        running is not one more restore beside its children."""
+        return False
+
     @abc.abstractmethod
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
         """Write the sandbox's memory, processes and disk layer to ``dest.path``, incremental to

@@ -477,6 +477,10 @@ class GvisorRuntime(Runtime):
 
     # -- snapshots --------------------------------------------------------------------------------
 
+    async def snapshot_keeps_running(self, instance: SandboxInstance) -> bool:
+        paths = self.paths(instance.sandbox_id)
+        return await asyncio.to_thread(checkpoint.can_snapshot_running, self.disks, paths)
+
     async def snapshot(self, instance: SandboxInstance, dest: SnapshotRef, *, stop: bool) -> None:
         """Checkpoint into ``dest.path``: memory image, meta, and the disk as a chain of shared
         layers (the upper sealed into a new one, see :func:`checkpoint.seal_upper`).
