@@ -568,13 +568,20 @@ def _kill_all(children: list[Any]) -> None:
 
 
 def _forks(
-    parent: Any, server: ServerProcess, runs: int, samples: dict[str, list[float]], errors: list[str]
+    parent: Any,
+    server: ServerProcess,
+    pools: Pools,
+    runs: int,
+    samples: dict[str, list[float]],
+    errors: list[str],
 ) -> dict[str, Any]:
     """Fork 16 through the SDK (``runs`` times), then 64 through the API (``POST .../fork``: the
-    SDK stops at 20), each until every child answers a command."""
+    SDK stops at 20), each until every child answers a command. Each fork starts on quiet cores
+    (the previous run's 16 kills release their networks and disks in the background)."""
     from e2b import Sandbox
 
     for _ in range(runs):
+        pools.settle()
         start = time.perf_counter()
         results = parent.fork(count=FORK_COUNT, timeout=600)
         children = [c for c in results if isinstance(c, Sandbox)]
@@ -586,6 +593,7 @@ def _forks(
             errors.append(f"fork {FORK_COUNT}: {answering} of {FORK_COUNT} children answered")
         _kill_all(children)
 
+    pools.settle()
     start = time.perf_counter()
     response = httpx.post(
         f"{server.url}/sandboxes/{parent.sandbox_id}/fork",
@@ -674,7 +682,7 @@ def _main(
         Sandbox.delete_snapshot(snap.snapshot_id, **opts)
         pools.forget(snap.snapshot_id)
         pools.settle()
-        many = _forks(parent, server, _fork_runs(runs), samples, errors)
+        many = _forks(parent, server, pools, _fork_runs(runs), samples, errors)
     finally:
         with contextlib.suppress(Exception):
             parent.kill()
