@@ -85,6 +85,12 @@ _OUTPUT_LIMIT = 4 * 1024 * 1024
 _MAX_PATHS = 512
 _MAX_WATCHED_DIRS = 64
 _MAX_ENTRIES = 16
+#: A capture refused only because it did not end in time is tried again (by a later command of
+#: its key) this many times: on a busy node one slow run must not cost the key its cache for
+#: good (it did: a standby's /init capture ran beside a restore, and every later command of the
+#: sandbox ran ``bash -l``, 20 ms more each).
+_TIMEOUT_RETRIES = 3
+TIMED_OUT = "it did not end in time"
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,8 @@ class _Run:
     stdout: bytes
     stderr: bytes
     left_behind: bool
+    #: It did not end (or its pipes did not close) within the deadlines: maybe only a busy node.
+    timed_out: bool = False
 
 
 class _Watches:
@@ -277,6 +285,8 @@ class LoginEnvironments:
         #: captures under way, also forgotten ones (they end by themselves, their result unused)
         self._running: set[asyncio.Task[LoginEnv | None]] = set()
         self._seen: OrderedDict[LoginKey, None] = OrderedDict()
+        #: captures of a key that did not end in time (see _TIMEOUT_RETRIES)
+        self._timeouts: dict[LoginKey, int] = {}
         self._watches = _Watches(self._invalidate)
 
     def lookup(self, key: LoginKey) -> LoginEnv | None:
@@ -327,6 +337,15 @@ class LoginEnvironments:
             found = await self._capture_and_verify(key)
         except asyncio.CancelledError:
             raise
+        except _Transient:
+            if len(self._timeouts) > 4 * _MAX_ENTRIES:
+                self._timeouts.clear()
+            self._timeouts[key] = self._timeouts.get(key, 0) + 1
+            if self._timeouts[key] <= _TIMEOUT_RETRIES and epoch == self._epoch:
+                current = asyncio.current_task()
+                if self._entries.get(key) is current:
+                    del self._entries[key]  # the key's next command captures again
+            return None
         except Exception as exc:  # a capture never fails a command: it runs bash -l instead
             log.warning("login capture for %s failed: %s", key.user.name, exc)
             return None
@@ -365,6 +384,8 @@ class LoginEnvironments:
         why = _refusal(run) or ("the trace is too long" if len(traced) > _OUTPUT_LIMIT else None)
         if why:
             log.info("not caching the login of %s: %s", key.user.name, why)
+            if why == TIMED_OUT:
+                raise _Transient(why)
             return None
         login_env = _login_env(run.stdout, key)
         paths, enumerated = _traced_paths(traced.decode(errors="replace"), key.cwd)
@@ -375,6 +396,9 @@ class LoginEnvironments:
     async def _verified(self, key: LoginKey, login_env: LoginEnv, state: bytes) -> bool:
         """Does a ``--login --noprofile`` shell started like a command see what the login saw?"""
         replay = await self._run(login_env.argv(_STATE_SCRIPT), key, login_env.cwd, login_env.env)
+        if replay.timed_out:
+            log.info("not verifying the login of %s: %s", key.user.name, TIMED_OUT)
+            raise _Transient(TIMED_OUT)
         same = _refusal(replay) is None and replay.stdout == state
         if not same:
             log.info("not caching the login of %s: its state differs without the profile", key.user.name)
@@ -412,10 +436,17 @@ class LoginEnvironments:
             with contextlib.suppress(asyncio.CancelledError):
                 await reading  # the readers let go of the fds before they are closed
             returncode, stdout, stderr, left_behind = -1, b"", b"", True
+            timed_out = True
+        else:
+            timed_out = False
         if left_behind:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(popen.pid, signal.SIGKILL)
-        return _Run(returncode, stdout, stderr, left_behind)
+        return _Run(returncode, stdout, stderr, left_behind, timed_out)
+
+
+class _Transient(Exception):
+    """A capture failed in a way that may not happen again (it ran out of time)."""
 
 
 def _remember(seen: OrderedDict[LoginKey, None], key: LoginKey) -> None:
@@ -434,8 +465,10 @@ async def _collect(fd: int) -> bytes:
 
 def _refusal(run: _Run) -> str | None:
     """Why a login run cannot stand for its commands, or None."""
+    if run.timed_out:
+        return TIMED_OUT
     if run.left_behind:
-        return "it left a process running (or did not end)"
+        return "it left a process running"
     if run.returncode != 0:
         return f"it exited with {run.returncode}"
     if run.stderr:
