@@ -20,8 +20,7 @@ def _key() -> LoginKey:
 async def _settle(logins: LoginEnvironments) -> None:
     for _ in range(50):
         await asyncio.sleep(0)
-    while logins._running:
-        await asyncio.sleep(0.001)
+    await asyncio.gather(*logins._running, return_exceptions=True)
 
 
 @pytest.mark.parametrize("timeouts, served", [(1, True), (loginenv._TIMEOUT_RETRIES + 1, False)])
