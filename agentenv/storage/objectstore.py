@@ -16,10 +16,15 @@ uploads only the layers its parent did not, and equal chunks (the unchanged part
 images, two identical files) are stored once. Deleting a snapshot removes its manifest and then
 every chunk and layer no other manifest names (mark and sweep over the manifests), on the store.
 
-Concurrency with other nodes: an upload writes its chunks first and its manifest last, and
-refreshes the modification time of every chunk it reuses; a sweep deletes only what is older than
-``gc_grace_seconds``, and an upload checks after writing its manifest that the reused chunks are
-still there (re-storing any that a racing sweep took). Imports nothing above ``storage``.
+Concurrency: an upload writes its chunks first and its manifest last. Within one process a sweep
+and an upload exclude each other exactly: an upload pins every key it stores or reuses before it
+looks at it, and a sweep takes its final look at the manifests and the pins under the same lock as
+its delete. Across nodes there is no such lock on S3: an upload refreshes the modification time of
+every chunk and tree it reuses, a sweep deletes only what is older than ``gc_grace_seconds`` (a
+tree kept for its age keeps its chunks), and an upload checks after writing its manifest that the
+reused chunks are still there (re-storing any that a racing sweep took). The grace must outlast an
+upload: with 0, a sweep elsewhere can still take a chunk just after that check. Imports nothing
+above ``storage``.
 """
 
 from __future__ import annotations
@@ -337,6 +342,9 @@ class UploadReport:
     new_layers: list[str] = field(default_factory=list)
     reused_layers: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Every key this upload stored or reused: a sweep in this process leaves them alone until
+    #: the upload ends (its manifest names them by then).
+    pinned: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -392,6 +400,11 @@ class SnapshotObjects:
         #: Manifests are immutable once written: each is read from the store once.
         self._manifests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        #: Held by a sweep from its last look at the in-flight uploads to its delete, and by an
+        #: upload while it pins a key: a key is either pinned before the sweep looks (kept) or
+        #: deleted before the upload's refresh (which then finds it gone and stores it again).
+        self._sweeping = threading.Lock()
+        self._uploads: list[UploadReport] = []
 
     @classmethod
     def from_settings(cls, settings: S3Settings) -> SnapshotObjects | None:
@@ -409,6 +422,7 @@ class SnapshotObjects:
         """Store one chunk unless it is there already (then refresh it: a sweep elsewhere must
         not take it while this upload is about to name it)."""
         key = chunk_key(digest)
+        self._pin(report, key)
         if self.backend.refresh(key):
             with self._lock:
                 report.reused_chunks += 1
@@ -418,6 +432,27 @@ class SnapshotObjects:
         with self._lock:
             report.sent_chunks += 1
             report.sent_bytes += len(packed)
+
+    def _pin(self, report: UploadReport, *keys: str) -> None:
+        with self._sweeping, self._lock:
+            report.pinned.update(keys)
+
+    def _pin_tree(self, report: UploadReport, key: str) -> None:
+        """Pin a tree and, when it is stored, its chunks (before the refresh that decides reuse)."""
+        chunks: set[str] = set()
+        with contextlib.suppress(NotFound, Gone, ValueError, KeyError):
+            chunks = {chunk_key(h) for h in self._tree_hashes(key)}
+        self._pin(report, key, *chunks)
+
+    @contextlib.contextmanager
+    def _in_flight(self, report: UploadReport) -> Iterator[None]:
+        with self._lock:
+            self._uploads.append(report)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._uploads.remove(report)
 
     def _load_chunk(self, digest: str, length: int) -> bytes:
         data = lz4.frame.decompress(self.backend.get(chunk_key(digest)))
@@ -527,6 +562,7 @@ class SnapshotObjects:
     def upload_layer(self, layer_id: str, root: Path, report: UploadReport) -> bool:
         """Store a sealed disk layer unless stored already; True when this call stored it."""
         key = layer_key(layer_id)
+        self._pin_tree(report, key)
         if self.backend.refresh(key):
             return False
         self._upload_tree(key, root, {"layer_id": layer_id}, report)
@@ -537,6 +573,7 @@ class SnapshotObjects:
 
     def upload_template(self, ref: TemplateRef, rootfs: Path, report: UploadReport) -> None:
         assert ref.key is not None
+        self._pin_tree(report, ref.key)
         if not self.backend.refresh(ref.key):
             self._upload_tree(ref.key, rootfs, {"template_id": ref.template_id, "build": ref.build}, report)
 
@@ -564,6 +601,23 @@ class SnapshotObjects:
         snapshot_id = str(row["snapshot_id"])
         manifest = Manifest(snapshot_id, row, [], list(layers), template)
         report = UploadReport(manifest)
+        with self._in_flight(report):
+            self._upload_snapshot(snapshot_dir, report, layers, layer_path, template, template_rootfs, name)
+        report.seconds = time.monotonic() - started
+        return report
+
+    def _upload_snapshot(
+        self,
+        snapshot_dir: Path,
+        report: UploadReport,
+        layers: list[str],
+        layer_path: Callable[[str], Path],
+        template: TemplateRef | None,
+        template_rootfs: Path | None,
+        name: str | None,
+    ) -> None:
+        manifest = report.manifest
+        snapshot_id = manifest.snapshot_id
         for path in _regular_files(snapshot_dir):
             st = path.stat()
             with open(path, "rb") as f:
@@ -584,8 +638,6 @@ class SnapshotObjects:
         self._restore_swept(manifest, snapshot_dir)
         if name:
             self.backend.put(name_key(name), json.dumps({"snapshot_id": snapshot_id}).encode())
-        report.seconds = time.monotonic() - started
-        return report
 
     def _restore_swept(self, manifest: Manifest, snapshot_dir: Path) -> None:
         """Put back any chunk of the manifest a racing sweep elsewhere deleted meanwhile."""
@@ -676,11 +728,25 @@ class SnapshotObjects:
         return self._sweep(candidates, grace_seconds)
 
     def _sweep(self, candidates: set[str], grace_seconds: float) -> list[str]:
-        doomed = sorted(candidates - self._named())
-        doomed = [k for k in doomed if (age := self.backend.age(k)) is not None and age >= grace_seconds]
-        # Layer manifests first: a layer whose chunks are gone must not look stored.
-        doomed.sort(key=lambda k: not k.startswith("layers/"))
-        self.backend.delete(doomed)
+        """Delete the candidates no manifest names, that are older than the grace (an upload on
+        another node refreshes what it reuses) and that no upload of this process has pinned."""
+        unnamed = candidates - self._named()
+        aged = {k for k in unnamed if (age := self.backend.age(k)) is not None and age >= grace_seconds}
+        # A tree kept for its age (a reused layer: its upload refreshed only the tree's manifest)
+        # keeps its chunks.
+        for tree in unnamed - aged:
+            if not tree.startswith("chunks/"):
+                with contextlib.suppress(NotFound, Gone, ValueError, KeyError):
+                    aged -= {chunk_key(h) for h in self._tree_hashes(tree)}
+        with self._sweeping:
+            # Looked at again under the lock: an upload of this process that ended meanwhile has
+            # its manifest listed now, one still running has its keys pinned.
+            with self._lock:
+                pinned = set().union(*(r.pinned for r in self._uploads))
+            keep = self._named() | pinned
+            # Layer manifests first: a layer whose chunks are gone must not look stored.
+            doomed = sorted(aged - keep, key=lambda k: (not k.startswith("layers/"), k))
+            self.backend.delete(doomed)
         with self._lock:
             for key in doomed:
                 self._manifests.pop(key, None)

@@ -144,11 +144,12 @@ def run_cluster(
     s3: S3Server,
     defaults: Mapping[str, str] = TEST_DEFAULTS,
     node_env: Mapping[str, Mapping[str, str]] | None = None,
-    gc_grace_seconds: str = "0",
+    gc_grace_seconds: str = "600",
 ) -> Iterator[Cluster]:
     """Two nodes and a gateway on ``database_url`` and a new bucket of ``s3`` (``node_env``: more
         variables per node name, e.g. ``{"node-a": {"AGENTENV_MAX_SANDBOXES": "2"}}``; the store's sweep
-    grace is 0 unless ``gc_grace_seconds`` says: deletes free chunks at once); on the way out
+    grace is the product's 600 s: with 0 a sweep on one node can take a chunk that an upload on the
+        other is about to name, which no grace-free protocol on S3 prevents); on the way out
         (after a failure too) dead nodes are started again (their recovery cleans up), every listed
         sandbox killed, everything stopped and the data dirs removed."""
     s3_env = s3.agentenv_env(s3.new_bucket(), gc_grace_seconds=gc_grace_seconds, upload_templates="false")

@@ -11,6 +11,8 @@ import datetime as dt
 import os
 import secrets
 import stat
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,13 @@ from agentenv.orchestrator.catalog import SnapshotCatalog
 from agentenv.orchestrator.durable import DurableSnapshots
 from agentenv.storage import snapshots as storage
 from agentenv.storage.db import Registry, open_registry_at
-from agentenv.storage.objectstore import DirectoryBackend, S3Backend, SnapshotObjects
+from agentenv.storage.objectstore import (
+    DirectoryBackend,
+    Manifest,
+    S3Backend,
+    SnapshotObjects,
+    UploadReport,
+)
 from agentenv.storage.snapshots import SnapshotRow
 from tests.support.postgres import BACKENDS, PostgresCluster
 from tests.support.s3 import S3Server, s3_server
@@ -220,6 +228,72 @@ def test_sweep_spares_young_unnamed_chunks(s3: S3Server, tmp_path: Path) -> None
     objects.backend.put("chunks/" + "0" * 64, b"orphan")
     assert objects.collect(grace_seconds=3600) == []
     assert objects.collect(grace_seconds=0) == ["chunks/" + "0" * 64]
+
+
+class _HeldAges(DirectoryBackend):
+    """A directory backend whose ``age`` look-ups wait for ``go``: holds a sweep between its
+    first look at the manifests and its delete (where a slow LIST on S3 leaves it)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.hold = threading.Event()
+        self.go = threading.Event()
+        self.held = threading.Event()
+
+    def age(self, key: str) -> float | None:
+        if self.hold.is_set():
+            self.held.set()
+            assert self.go.wait(30)
+        return super().age(key)
+
+
+def test_a_sweep_of_this_process_never_takes_what_an_upload_just_named(tmp_path: Path) -> None:
+    """Snapshot b reuses a's memory chunk. a is deleted with no grace while b uploads: the sweep
+    saw the manifests before b's existed, b's upload ends (its check after the manifest finds
+    the chunk there), then the sweep deletes. It must look again: b restores whole."""
+    backend = _HeldAges(tmp_path / "store")
+    objects = SnapshotObjects(backend, chunk_bytes=CHUNK, concurrency=2)
+    memory = os.urandom(CHUNK) * 2
+    a, b = snap_id(), snap_id()
+    for sid in (a, b):
+        path = write_snapshot(tmp_path, sid, memory, [])
+        objects.upload(path, row_of(sid).__dict__ | {"created_at": 0}, layers=[], layer_path=Path)
+    objects.backend.delete([f"snapshots/{b}.json"])  # b is about to be uploaded again
+    backend.hold.set()
+    sweep = threading.Thread(target=objects.delete, args=(a,), kwargs={"grace_seconds": 0})
+    sweep.start()
+    assert backend.held.wait(30)
+    backend.hold.clear()
+    objects.upload(
+        storage.final_path(tmp_path, b), row_of(b).__dict__ | {"created_at": 0}, layers=[], layer_path=Path
+    )
+    backend.go.set()
+    sweep.join(30)
+    manifest = objects.manifest(b)
+    assert manifest is not None
+    objects.fetch(manifest, tmp_path / "b")
+    assert (tmp_path / "b" / "memory" / "pages.img").read_bytes() == memory
+
+
+def test_a_reused_layer_kept_for_its_age_keeps_its_chunks(s3: S3Server, tmp_path: Path) -> None:
+    """A snapshot on another node reuses layer L (its upload refreshes L's manifest, not L's
+    chunks, which are old) while the last snapshot naming L is deleted: the young manifest is
+    spared by the grace, and so must its chunks be."""
+    bucket = s3.new_bucket()
+    here, there = s3_objects(s3, bucket), s3_objects(s3, bucket)
+    lid = layer_id()
+    layers = tmp_path / "disk-layers"
+    write_layer(tmp_path, lid, {"etc/data": os.urandom(3 * CHUNK)})
+    a = snap_id()
+    path = write_snapshot(tmp_path, a, os.urandom(CHUNK), [lid])
+    here.upload(path, row_of(a).__dict__ | {"created_at": 0}, layers=[lid], layer_path=lambda x: layers / x)
+    time.sleep(1.1)  # the layer's chunks are older than the grace below
+    report = UploadReport(Manifest(snap_id(), {}, [], [lid], None))
+    assert not there.upload_layer(lid, layers / lid, report)  # reused: its manifest refreshed
+    here.delete(a, grace_seconds=1.0)
+    there.fetch_layer(lid, tmp_path / "fetched")
+    fetched = (tmp_path / "fetched" / "etc" / "data").read_bytes()
+    assert fetched == (layers / lid / "etc" / "data").read_bytes()
 
 
 def test_bad_names_are_refused(tmp_path: Path) -> None:
