@@ -225,7 +225,10 @@ class _Watches:
         restore onto a different disk, a mount). Paths of a capture still under way are not
         signed yet; it signs them when it ends."""
         current = self._current_signatures()
-        return not self._stale and all(current.get(path) == sig for path, sig in self._signatures.items())
+        changed = [path for path, sig in self._signatures.items() if current.get(path) != sig]
+        if changed or self._stale:
+            log.info("captured logins dropped: changed %s%s", changed[:5], " (stale watch)" * self._stale)
+        return not self._stale and not changed
 
     def _current_signatures(self) -> dict[str, tuple[int, ...] | None]:
         """A signature of each relevant path: of a file, its identity, size and times; of a
@@ -288,6 +291,8 @@ class LoginEnvironments:
         #: captures of a key that did not end in time (see _TIMEOUT_RETRIES)
         self._timeouts: dict[LoginKey, int] = {}
         self._watches = _Watches(self._invalidate)
+        #: ``/init`` calls so far: a capture that spans one spanned a snapshot and restore
+        self._inits = 0
 
     def lookup(self, key: LoginKey) -> LoginEnv | None:
         """The key's captured login, or None: run ``bash -l``. Never waits for a capture under
@@ -310,9 +315,16 @@ class LoginEnvironments:
     def revalidate(self) -> None:
         """``/init``, after a restore, resume or fork: watch anew, and forget every capture if
         anything they depend on changed meanwhile."""
+        self._inits += 1
         self._watches.rebuild()
         if not self._watches.unchanged():
             self._invalidate()
+
+    async def settled(self, limit_s: float) -> None:
+        """Wait (at most ``limit_s`` seconds) for the captures under way: envd's start-up does,
+        so a template snapshot taken once envd answers holds a finished capture."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=limit_s)
 
     def close(self) -> None:
         self._invalidate()
@@ -333,11 +345,20 @@ class LoginEnvironments:
             self._entries.popitem(last=False)
 
     async def _captured(self, key: LoginKey, epoch: int) -> LoginEnv | None:
+        inits = self._inits
         try:
             found = await self._capture_and_verify(key)
         except asyncio.CancelledError:
             raise
         except _Transient:
+            current = asyncio.current_task()
+            if self._inits != inits and epoch == self._epoch and self._entries.get(key) is current:
+                # A snapshot was taken mid-capture and restored later: the clock jumped past the
+                # deadline of a login that ran fine. Capture again at once, not counted.
+                log.info("login capture of %s spanned a restore: capturing again", key.user.name)
+                del self._entries[key]
+                self._capture(key)
+                return None
             if len(self._timeouts) > 4 * _MAX_ENTRIES:
                 self._timeouts.clear()
             self._timeouts[key] = self._timeouts.get(key, 0) + 1

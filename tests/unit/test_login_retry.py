@@ -66,3 +66,55 @@ async def test_a_refused_capture_is_not_tried_again(monkeypatch: pytest.MonkeyPa
         assert logins.lookup(key) is None
         await _settle(logins)
     assert len(attempts) == 1
+
+
+async def test_a_capture_cut_by_a_snapshot_and_restore_is_captured_again_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A template snapshot taken mid-capture: restored later, the capture's deadline has passed
+    (the clock jumped). That is no timeout of the login: envd captures again right away, so the
+    first commands of the restored sandbox do not run the profile."""
+    captured = object()
+    attempts: list[int] = []
+    restored = asyncio.Event()
+
+    async def capture(self: Any, key: LoginKey) -> object:
+        attempts.append(1)
+        if len(attempts) == 1:
+            await restored.wait()  # the snapshot; /init of the restore comes meanwhile
+            raise loginenv._Transient(loginenv.TIMED_OUT)
+        return captured
+
+    monkeypatch.setattr(LoginEnvironments, "_capture_and_verify", capture)
+    monkeypatch.setattr(loginenv._Watches, "unchanged", lambda self: True)
+    logins = LoginEnvironments(spawner=None)  # type: ignore[arg-type]
+    key = _key()
+    logins.prewarm(key)  # envd's start-up
+    await asyncio.sleep(0)
+    logins.revalidate()  # /init after the restore
+    restored.set()
+    await _settle(logins)
+    await _settle(logins)
+    assert len(attempts) == 2
+    assert logins.lookup(key) is captured  # the very first command is served
+
+
+async def test_settled_waits_for_the_capture_under_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """envd's start-up answers only after the default user's capture (a template snapshot is
+    taken when envd answers); a capture that hangs holds it back only ``limit_s`` seconds."""
+    captured = object()
+    release = asyncio.Event()
+
+    async def capture(self: Any, key: LoginKey) -> object:
+        await release.wait()
+        return captured
+
+    monkeypatch.setattr(LoginEnvironments, "_capture_and_verify", capture)
+    logins = LoginEnvironments(spawner=None)  # type: ignore[arg-type]
+    key = _key()
+    logins.prewarm(key)
+    await logins.settled(0.05)  # still hanging: returns anyway
+    assert logins.lookup(key) is None
+    asyncio.get_running_loop().call_later(0.05, release.set)
+    await logins.settled(5)
+    assert logins.lookup(key) is captured
