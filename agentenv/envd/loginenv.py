@@ -227,7 +227,8 @@ class _Watches:
         current = self._current_signatures()
         changed = [path for path, sig in self._signatures.items() if current.get(path) != sig]
         if changed or self._stale:
-            log.info("captured logins dropped: changed %s%s", changed[:5], " (stale watch)" * self._stale)
+            stale = " (a watch went stale)" if self._stale else ""
+            log.info("captured logins dropped: changed %s%s", changed[:5], stale)
         return not self._stale and not changed
 
     def _current_signatures(self) -> dict[str, tuple[int, ...] | None]:
