@@ -88,7 +88,11 @@ def test_connect_is_an_interactive_terminal(pair: list[Sandbox]) -> None:
         time.sleep(0.5)
         child.sendline("stty size")
         child.expect("30 100")
+        child.expect(r"\$ ")
         child.sendcontrol("c")  # raw mode: Ctrl-C reaches the remote shell, not the CLI
+        # The new prompt first: typed before bash handled the interrupt, the next line's first
+        # characters were discarded with the interrupted one ("cho: command not found", CI).
+        child.expect(r"\$ ")
         child.sendline("echo still-$((1+1))")
         child.expect("still-2")
         child.sendline("exit 3")
