@@ -439,10 +439,7 @@ class SnapshotObjects:
 
     def _pin_tree(self, report: UploadReport, key: str) -> None:
         """Pin a tree and, when it is stored, its chunks (before the refresh that decides reuse)."""
-        chunks: set[str] = set()
-        with contextlib.suppress(NotFound, Gone, ValueError, KeyError):
-            chunks = {chunk_key(h) for h in self._tree_hashes(key)}
-        self._pin(report, key, *chunks)
+        self._pin(report, key, *self._stored_tree_chunks(key))
 
     @contextlib.contextmanager
     def _in_flight(self, report: UploadReport) -> Iterator[None]:
@@ -736,8 +733,7 @@ class SnapshotObjects:
         # keeps its chunks.
         for tree in unnamed - aged:
             if not tree.startswith("chunks/"):
-                with contextlib.suppress(NotFound, Gone, ValueError, KeyError):
-                    aged -= {chunk_key(h) for h in self._tree_hashes(tree)}
+                aged -= self._stored_tree_chunks(tree)
         with self._sweeping:
             # Looked at again under the lock: an upload of this process that ended meanwhile has
             # its manifest listed now, one still running has its keys pinned.
@@ -772,6 +768,12 @@ class SnapshotObjects:
 
     def _tree_hashes(self, key: str) -> set[str]:
         return {c[0] for c in self._read_json(key)["chunks"] if c[0]}
+
+    def _stored_tree_chunks(self, key: str) -> set[str]:
+        """The chunk keys of the tree stored under ``key``; none when it is missing or unreadable."""
+        with contextlib.suppress(NotFound, Gone, ValueError, KeyError):
+            return {chunk_key(h) for h in self._tree_hashes(key)}
+        return set()
 
     def _read_json(self, key: str) -> dict[str, Any]:
         with self._lock:
