@@ -316,6 +316,9 @@ async def test_snapshot_of_a_running_sandbox_only_pauses_it(
     assert (code, alive.strip()) == (0, "alive")  # the same process, never restored
     assert gvisor.disks.chain(paths) == chain_before and (paths.upper / "home/user/data").exists()
     assert len(gvisor.disks.held(paths)) == 1
+    # Paused and resumed over runsc's control socket: runsc's record still says running.
+    assert await gvisor.runsc.status(paths.container_id) == "running"
+    assert not paths.upper_precopy.exists()
 
     child_spec = SandboxSpec(sandbox_id=unique_id("child"), template=base_template)
     child = await gvisor.restore(child_spec, SnapshotRef("run1", tmp_path / "run1"))

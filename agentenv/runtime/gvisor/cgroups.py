@@ -4,6 +4,7 @@ limits are set, its usage is read, and what a kill removes (runsc leaves them be
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -52,6 +53,38 @@ def oom_kills(sandbox_id: str) -> int:
         if key == "oom_kill" and value.strip().isdigit():
             return int(value)
     return 0
+
+
+def processes(sandbox_id: str) -> list[int] | None:
+    """PIDs of the sandbox's processes (sentry, stubs, gofer), None when its cgroup is not found."""
+    for group in (_group("freezer", sandbox_id), CGROUP_V1_ROOT / CGROUP_PARENT / sandbox_id):
+        try:
+            return [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def mapped_inodes(sandbox_id: str, device: int) -> set[int] | None:
+    """Inodes of files on ``device`` that a process of the sandbox has memory-mapped (gVisor maps
+    a file the sandbox maps shared into its stub processes), None when that cannot be told."""
+    pids = processes(sandbox_id)
+    if pids is None:
+        return None
+    wanted = f"{os.major(device):02x}:{os.minor(device):02x}"
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except FileNotFoundError:
+            continue  # exited meanwhile
+        except OSError:
+            return None
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and fields[3] == wanted and fields[4] != "0":
+                inodes.add(int(fields[4]))
+    return inodes
 
 
 def sandbox_ids() -> set[str]:

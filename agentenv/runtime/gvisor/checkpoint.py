@@ -53,6 +53,7 @@ from agentenv.runtime import network
 from agentenv.runtime.gvisor.disk import RootDisks
 from agentenv.runtime.gvisor.paths import SandboxPaths
 from agentenv.runtime.gvisor.runsc import Runsc
+from agentenv.runtime.gvisor.upper_delta import Staged
 from agentenv.runtime.network import SandboxNetwork
 from agentenv.storage.atomic import write_json_atomic
 from agentenv.types import SandboxInstance
@@ -162,19 +163,30 @@ async def checkpoint_running(
     """Checkpoint a sandbox that keeps running: memory into ``image``, its upper copied into a new
     layer. Returns the snapshot's chain (newest first); the sandbox's own chain is unchanged.
 
-    ``runsc pause`` first: a checkpoint of a paused sandbox leaves it paused, so nothing writes
-    to the disk between the checkpoint (which flushes the sentry's file writes) and the copy."""
+    The large files the copy needs are copied first, while the sandbox runs (pre-copy, see
+    :mod:`~agentenv.runtime.gvisor.upper_delta`). Then the sandbox is paused in the sentry: a
+    checkpoint of a paused sandbox leaves it paused, so nothing writes to the disk between the
+    checkpoint (which flushes the sentry's file writes) and the copy, which links the pre-copied
+    files that did not change and copies the rest."""
     await asyncio.to_thread(image.mkdir, parents=True, exist_ok=True)
     cid = paths.container_id
-    await runsc.run("pause", cid)
+    t = time.monotonic()
+    staged = await asyncio.to_thread(disks.precopy_upper, paths)
+    log.info("checkpoint %s: pre-copy %d files %s ms", paths.sandbox_id, len(staged), elapsed_ms(t))
     try:
-        await drop_host_connections(address)
-        await _checkpoint(runsc, paths, image, "--leave-running")
         t = time.monotonic()
-        chain = await copy_upper(disks, paths)
-        log.info("checkpoint %s: copy the upper %s ms", paths.sandbox_id, elapsed_ms(t))
+        await runsc.pause(cid)
+        try:
+            await drop_host_connections(address)
+            await _checkpoint(runsc, paths, image, "--leave-running")
+            t_copy = time.monotonic()
+            chain = await copy_upper(disks, paths, staged)
+            log.info("checkpoint %s: copy the upper %s ms", paths.sandbox_id, elapsed_ms(t_copy))
+        finally:
+            await runsc.resume(cid)
+            log.info("checkpoint %s: paused %s ms", paths.sandbox_id, elapsed_ms(t))
     finally:
-        await runsc.run("resume", cid)
+        await asyncio.to_thread(disks.drop_precopy, paths)
     return chain
 
 
@@ -224,12 +236,14 @@ async def seal_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
     return chain
 
 
-async def copy_upper(disks: RootDisks, paths: SandboxPaths) -> list[str]:
+async def copy_upper(
+    disks: RootDisks, paths: SandboxPaths, staged: dict[str, Staged] | None = None
+) -> list[str]:
     """A new layer with what the (paused) sandbox's upper changed since its last running snapshot
     (all of it after a new mount); returns the chain of a snapshot taken now (newest first). The
     sandbox holds the layer until it is gone, so that a collection never frees it before the
     snapshot naming it is committed, and the next running snapshot can stack on it."""
-    copy = await asyncio.to_thread(disks.copy_upper, paths)
+    copy = await asyncio.to_thread(disks.copy_upper, paths, staged)
     async with disks.lock:
         new_layer = await asyncio.to_thread(disks.layers.adopt, copy.path)
         await asyncio.to_thread(disks.hold, paths, new_layer)

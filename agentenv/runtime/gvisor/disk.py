@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -28,11 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.errors import Failed, Gone
-from agentenv.runtime.gvisor import upper_delta
+from agentenv.runtime.gvisor import cgroups, upper_delta
 from agentenv.runtime.gvisor.paths import SandboxPaths
 from agentenv.storage.atomic import write_json_atomic
 from agentenv.storage.envd_bundle import MOUNT_POINT
 from agentenv.storage.layers import LayerError, LayerStore, overlay_mount, overlay_unmount, tree_bytes
+
+log = logging.getLogger(__name__)
 
 #: Where the envd bundle is mounted, relative to the root.
 MOUNT_POINT_DIR = MOUNT_POINT.lstrip("/")
@@ -171,13 +174,44 @@ class RootDisks:
                         todo.append(entry.path)
         return True
 
-    def copy_upper(self, paths: SandboxPaths) -> UpperCopy:
+    def precopy_upper(self, paths: SandboxPaths) -> dict[str, upper_delta.Staged]:
+        """Copy the large files the next :meth:`copy_upper` needs while the sandbox still runs
+        (:func:`upper_delta.precopy`); nothing when its mapped files cannot be told. Best effort:
+        what is not pre-copied is copied in the pause."""
+        shutil.rmtree(paths.upper_precopy, ignore_errors=True)
+        mapped = self._mapped(paths)
+        if mapped is None:
+            return {}
+        try:
+            return upper_delta.precopy(paths.upper, paths.upper_precopy, self.delta_base(paths)[1], mapped)
+        except OSError as exc:
+            log.warning("pre-copying the upper of sandbox %s failed: %s", paths.sandbox_id, exc)
+            return {}
+
+    def drop_precopy(self, paths: SandboxPaths) -> None:
+        shutil.rmtree(paths.upper_precopy, ignore_errors=True)
+
+    @staticmethod
+    def _mapped(paths: SandboxPaths) -> set[int] | None:
+        try:
+            device = os.stat(paths.upper).st_dev
+        except OSError:
+            return None
+        return cgroups.mapped_inodes(paths.sandbox_id, device)
+
+    def copy_upper(
+        self, paths: SandboxPaths, staged: dict[str, upper_delta.Staged] | None = None
+    ) -> UpperCopy:
         """Copy into ``paths.upper_copy`` what the (paused) upper changed since the last running
-        snapshot on the current mount, else all of it (:mod:`~agentenv.runtime.gvisor.upper_delta`)."""
+        snapshot on the current mount, else all of it (:mod:`~agentenv.runtime.gvisor.upper_delta`);
+        ``staged``: what :meth:`precopy_upper` copied before the pause, linked where still current."""
         base, before = self.delta_base(paths)
         shutil.rmtree(paths.upper_copy, ignore_errors=True)
+        mapped = self._mapped(paths) if staged else None
         try:
-            entries = upper_delta.build(paths.upper, paths.upper_copy, before)
+            entries = upper_delta.build(
+                paths.upper, paths.upper_copy, before, staged if mapped is not None else None, mapped
+            )
         except OSError as exc:
             shutil.rmtree(paths.upper_copy, ignore_errors=True)
             raise Failed(f"copying the upper of sandbox {paths.sandbox_id} failed: {exc}") from exc

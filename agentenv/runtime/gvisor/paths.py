@@ -66,6 +66,10 @@ class SandboxPaths:
         return self.root / "upper-copy"
 
     @property
+    def upper_precopy(self) -> Path:
+        return self.root / "upper-precopy"
+
+    @property
     def upper_delta_file(self) -> Path:
         return self.root / "upper-delta.json"
 

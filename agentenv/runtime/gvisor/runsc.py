@@ -26,7 +26,7 @@ from pathlib import Path
 from agentenv.config import GvisorSettings
 from agentenv.errors import Failed
 from agentenv.runtime.base import log_tail
-from agentenv.runtime.gvisor import platforms
+from agentenv.runtime.gvisor import control, platforms
 from agentenv.runtime.gvisor.paths import SandboxPaths
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,27 @@ class Runsc:
         code, out = await self.run("list", "-quiet", check=False)
         return out.split() if code == 0 else []
 
+    # -- pausing in the sentry ------------------------------------------------------------------
+
+    async def pause(self, cid: str) -> None:
+        """Stop every task of the container in the sentry (which keeps answering: a checkpoint
+        may follow). Over the control socket; the CLI when the socket is not known."""
+        await self._lifecycle_call(cid, control.PAUSE, "pause")
+
+    async def resume(self, cid: str) -> None:
+        """Undo :meth:`pause`."""
+        await self._lifecycle_call(cid, control.RESUME, "resume")
+
+    async def _lifecycle_call(self, cid: str, method: str, verb: str) -> None:
+        socket = control.socket_path(self.state_file(cid))
+        if socket is None:
+            await self.run(verb, cid)
+            return
+        await control.call(socket, method)
+
+    def state_file(self, cid: str) -> Path:
+        return self.root / f"{cid}_sandbox:{cid}.state"
+
     # -- stopping ------------------------------------------------------------------------------
 
     async def stop(self, paths: SandboxPaths) -> None:
@@ -257,7 +278,7 @@ class Runsc:
 
     def forget(self, cid: str) -> None:
         """Remove what runsc keeps of a stopped container: its record and its control sockets."""
-        files = [self.root / f"{cid}_sandbox:{cid}{suffix}" for suffix in (".state", ".lock")]
+        files = [self.state_file(cid), self.root / f"{cid}_sandbox:{cid}.lock"]
         files += [d / f"runsc-{cid}.sock" for d in (self.root, *CONTROL_SOCKET_DIRS)]
         for path in files:
             with contextlib.suppress(FileNotFoundError):
