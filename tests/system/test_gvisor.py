@@ -340,6 +340,39 @@ async def test_snapshot_of_a_running_sandbox_only_pauses_it(
     assert (code, out.strip()) == (0, "more")
 
 
+async def test_a_file_the_sandbox_maps_shared_is_seen_and_not_precopied(
+    gvisor: GvisorRuntime, sandbox_factory: SandboxFactory
+) -> None:
+    """gVisor maps a file the sandbox maps shared from the host into its stub processes, where a
+    write through the mapping moves no timestamp: the pre-copy must see the mapping (the upper
+    file's inode in the maps of the sandbox's processes, shown on the overlay's device) and leave
+    the file to the pause."""
+    instance = await sandbox_factory(gvisor)
+    script = (
+        "import mmap, time\n"
+        "f = open('/home/user/mapped.bin', 'w+b'); f.truncate(1 << 20); f.flush()\n"
+        "m = mmap.mmap(f.fileno(), 1 << 20, mmap.MAP_SHARED); m[0:2] = b'hi'\n"
+        "open('/home/user/ready', 'w').close(); time.sleep(120)\n"
+    )
+    code, out = await run(
+        instance,
+        f'head -c 1M /dev/urandom > /home/user/plain.bin; python3 -c "{script}" >/dev/null 2>&1 & '
+        "for i in $(seq 100); do [ -e /home/user/ready ] && break; sleep 0.1; done; ls /home/user",
+    )
+    assert code == 0 and "ready" in out, out
+    await asyncio.sleep(0.1)  # older than upper_delta.SETTLED_NS
+    paths = gvisor.paths(instance.sandbox_id)
+    mapped_file, plain_file = paths.upper / "home/user/mapped.bin", paths.upper / "home/user/plain.bin"
+    mapped = cgroups.mapped_inodes(instance.sandbox_id)
+    assert mapped is not None and mapped_file.stat().st_ino in mapped
+    assert plain_file.stat().st_ino not in mapped
+    staged = await asyncio.to_thread(gvisor.disks.precopy_upper, paths)
+    try:
+        assert "home/user/plain.bin" in staged and "home/user/mapped.bin" not in staged
+    finally:
+        gvisor.disks.drop_precopy(paths)
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int, str]]:
     """path -> (mode, uid, content or link target) of everything below ``root``."""
     found = {}

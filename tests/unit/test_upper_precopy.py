@@ -118,12 +118,10 @@ def test_mapped_inodes_sees_a_shared_mapping_held_by_a_process_of_the_sandbox(
     try:
         (freezer_cgroup / "cgroup.procs").write_text(str(holder.pid))
         assert holder.stdout is not None and holder.stdout.readline().strip() == "mapped"
-        sandbox_id = freezer_cgroup.name
-        device = target.stat().st_dev
-        mapped = cgroups.mapped_inodes(sandbox_id, device)
+        mapped = cgroups.mapped_inodes(freezer_cgroup.name)
         assert mapped is not None
         assert target.stat().st_ino in mapped and unmapped.stat().st_ino not in mapped
-        assert cgroups.mapped_inodes("no-such-sandbox", device) is None  # unknown: no pre-copy
+        assert cgroups.mapped_inodes("no-such-sandbox") is None  # unknown: no pre-copy
     finally:
         holder.kill()
         holder.wait()

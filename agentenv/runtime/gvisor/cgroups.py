@@ -4,7 +4,6 @@ limits are set, its usage is read, and what a kill removes (runsc leaves them be
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
@@ -65,13 +64,14 @@ def processes(sandbox_id: str) -> list[int] | None:
     return None
 
 
-def mapped_inodes(sandbox_id: str, device: int) -> set[int] | None:
-    """Inodes of files on ``device`` that a process of the sandbox has memory-mapped (gVisor maps
-    a file the sandbox maps shared into its stub processes), None when that cannot be told."""
+def mapped_inodes(sandbox_id: str) -> set[int] | None:
+    """Inode numbers of the files a process of the sandbox has memory-mapped (gVisor maps a file
+    the sandbox maps shared into its stub processes), None when that cannot be told. On any
+    device: the maps name the root overlay's device with the upper file's inode, and a number
+    that matches some other file only makes a caller cautious."""
     pids = processes(sandbox_id)
     if pids is None:
         return None
-    wanted = f"{os.major(device):02x}:{os.minor(device):02x}"
     inodes: set[int] = set()
     for pid in pids:
         try:
@@ -82,7 +82,7 @@ def mapped_inodes(sandbox_id: str, device: int) -> set[int] | None:
             return None
         for line in maps.splitlines():
             fields = line.split(maxsplit=5)
-            if len(fields) >= 5 and fields[3] == wanted and fields[4] != "0":
+            if len(fields) >= 5 and fields[4] != "0":
                 inodes.add(int(fields[4]))
     return inodes
 

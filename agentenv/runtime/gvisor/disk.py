@@ -193,11 +193,7 @@ class RootDisks:
 
     @staticmethod
     def _mapped(paths: SandboxPaths) -> set[int] | None:
-        try:
-            device = os.stat(paths.upper).st_dev
-        except OSError:
-            return None
-        return cgroups.mapped_inodes(paths.sandbox_id, device)
+        return cgroups.mapped_inodes(paths.sandbox_id)
 
     def copy_upper(
         self, paths: SandboxPaths, staged: dict[str, upper_delta.Staged] | None = None
