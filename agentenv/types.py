@@ -21,6 +21,11 @@ ENVD_VERSION = "0.6.4"
 ENVD_ACCESS_TOKEN_ENV = "AGENTENV_ENVD_ACCESS_TOKEN"
 #: The account E2B templates create; envd's default user when a template has it.
 SANDBOX_USER = "user"
+#: envd's ``/init`` field (ours, not E2B's): ``false`` when the sandbox has run on, watched, since
+#: its previous ``/init`` (a warm-pool sandbox initialised after its restore, now claimed; a frozen
+#: one thawed), so envd keeps its captured logins without new watches and stat signatures.
+#: Absent: revalidate, as after any restore.
+ENVD_INIT_REVALIDATE = "agentenvRevalidate"
 #: PATH of envd and of the processes it starts when nothing else sets one.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

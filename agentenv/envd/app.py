@@ -33,6 +33,7 @@ from agentenv.envd.signature import signature_refusal
 from agentenv.envd.spawn import Spawner
 from agentenv.envd.state import EnvdState
 from agentenv.errors import Invalid, Unauthenticated
+from agentenv.types import ENVD_INIT_REVALIDATE
 
 logger = logging.getLogger("agentenv.envd")
 
@@ -90,6 +91,9 @@ async def init(request: Request) -> Response:
     for key in ("accessToken", "defaultUser", "defaultWorkdir", "timestamp"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise Invalid(f"{key} must be a string")
+    revalidate = body.get(ENVD_INIT_REVALIDATE, True)
+    if not isinstance(revalidate, bool):
+        raise Invalid(f"{ENVD_INIT_REVALIDATE} must be a boolean")
     if body.get("timestamp"):
         try:
             host_time = datetime.fromisoformat(body["timestamp"].replace("Z", "+00:00"))
@@ -105,7 +109,7 @@ async def init(request: Request) -> Response:
         state.default_user = body["defaultUser"]
     if body.get("defaultWorkdir"):
         state.default_workdir = body["defaultWorkdir"]
-    prepare_logins(request.app.state.logins, state)
+    prepare_logins(request.app.state.logins, state, revalidate=revalidate)
     return Response(status_code=204)
 
 
@@ -113,11 +117,12 @@ async def init(request: Request) -> Response:
 STARTUP_CAPTURE_WAIT_S = 5.0
 
 
-def prepare_logins(logins: LoginEnvironments, state: EnvdState) -> None:
+def prepare_logins(logins: LoginEnvironments, state: EnvdState, *, revalidate: bool = True) -> None:
     """At start-up and on ``/init`` (every create, restore, resume and fork): captured logins
     stand only if nothing they read changed meanwhile; the one the default user's commands need
     is captured now, in the background (at start-up: before a template snapshot is taken)."""
-    logins.revalidate()
+    if revalidate:
+        logins.revalidate()
     try:
         user = state.user(None)
     except Unauthenticated:

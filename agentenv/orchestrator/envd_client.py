@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 
 from agentenv.errors import Unavailable
 from agentenv.orchestrator.timing import utcnow
-from agentenv.types import SANDBOX_USER, SandboxInstance
+from agentenv.runtime.base import Runtime
+from agentenv.types import ENVD_INIT_REVALIDATE, SANDBOX_USER, SandboxInstance
 
 DEFAULT_WORKDIR = f"/home/{SANDBOX_USER}"
 INIT_ATTEMPTS = 20
@@ -25,16 +27,21 @@ class EnvdClient:
         access_token: str | None,
         *,
         current_token: str | None = None,
+        revalidate: bool = True,
     ) -> None:
         """``POST /init``: env vars, access token, clock and default user (envd.yaml).
         ``current_token``: the token envd holds when it is not ``access_token`` (a rollback to
-        another sandbox's snapshot); the request authenticates with it and sets the new one."""
+        another sandbox's snapshot); the request authenticates with it and sets the new one.
+        ``revalidate=False`` (our extension): the sandbox ran on since its previous ``/init``
+        (no restore between), so envd keeps its captured logins without checking them."""
         body: dict[str, object] = {
             "envVars": envs,
             "timestamp": utcnow().isoformat().replace("+00:00", "Z"),
             "defaultUser": SANDBOX_USER,
             "defaultWorkdir": DEFAULT_WORKDIR,
         }
+        if not revalidate:
+            body[ENVD_INIT_REVALIDATE] = False
         headers = {}
         if access_token:
             body["accessToken"] = access_token
@@ -76,3 +83,23 @@ class EnvdClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+
+async def initialised(
+    client: EnvdClient,
+    runtime: Runtime,
+    instance: SandboxInstance,
+    envs: dict[str, str],
+    access_token: str | None,
+) -> SandboxInstance:
+    """A sandbox restored ahead of demand (warm pool, standby), after its ``/init``: what a
+    restore needs from envd (new watches, the captured logins checked) is done before anyone
+    claims it, so the claim's own ``/init`` skips it. Killed if the ``/init`` fails (no one else
+    owns it yet)."""
+    try:
+        await client.init(instance, envs, access_token)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await runtime.kill(instance)
+        raise
+    return instance

@@ -617,7 +617,10 @@ class Orchestrator:
                 )
                 rec.instance = await self._materialise(runtime, source, self._spec(rec, source.image))
                 up = time.monotonic()
-                await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+                # A pooled sandbox had its restore's /init when it was made: this one only hands over.
+                await self.envd.init(
+                    rec.instance, rec.envs, rec.envd_access_token, revalidate=not isinstance(source, Claim)
+                )
                 await self._go_live(rec, timeout_seconds)
                 undo.commit()
             except BaseException as exc:
@@ -1119,7 +1122,10 @@ class Orchestrator:
         # wait started now could not, the process being gone by the time it looked.
         death = self._exits.get(rec.sandbox_id)
         await self._runtime(rec).thaw(rec.instance)
-        init = asyncio.ensure_future(self.envd.init(rec.instance, rec.envs, rec.envd_access_token))
+        # No restore since its last /init and envd's watches ran until the freeze: nothing to revalidate.
+        init = asyncio.ensure_future(
+            self.envd.init(rec.instance, rec.envs, rec.envd_access_token, revalidate=False)
+        )
         if death is not None:
             await asyncio.wait({init, death}, return_when=asyncio.FIRST_COMPLETED)
             watched = death.done() and not death.cancelled() and death.exception() is None
@@ -1459,15 +1465,16 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
         runtimes=runtimes,
         templates_dir=settings.templates_dir,
     )
+    envd = EnvdClient()
     return Orchestrator(
         settings,
         runtimes=runtimes,
         store=store,
         catalog=catalog,
-        template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background),
-        standbys=Standbys(settings, catalog, runtimes),
+        template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background, envd),
+        standbys=Standbys(settings, catalog, runtimes, envd),
         background=background,
-        envd=EnvdClient(),
+        envd=envd,
         logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
         telemetry=Telemetry(settings.data_dir),
     )

@@ -18,6 +18,7 @@ import logging
 
 from agentenv.config import Settings
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from agentenv.orchestrator.envd_client import EnvdClient, initialised
 from agentenv.orchestrator.ids import new_sandbox_id
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.runtimes import RuntimeSet
@@ -31,8 +32,11 @@ RESTORES_BEFORE_STANDBYS = 2
 
 
 class Standbys:
-    def __init__(self, settings: Settings, catalog: SnapshotCatalog, runtimes: RuntimeSet) -> None:
+    def __init__(
+        self, settings: Settings, catalog: SnapshotCatalog, runtimes: RuntimeSet, envd_client: EnvdClient
+    ) -> None:
         self._settings = settings
+        self._envd_client = envd_client
         self._catalog = catalog
         self._runtimes = runtimes
         self._restores: collections.Counter[str] = collections.Counter()
@@ -71,10 +75,15 @@ class Standbys:
 
     async def _make(self, snapshot_id: str) -> SandboxInstance:
         row = self._rows[snapshot_id]
-        image = SnapshotMeta.of(row).image(row.template_id)
-        spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image, ahead_of_demand=True)
+        meta = SnapshotMeta.of(row)
+        spec = SandboxSpec(
+            sandbox_id=new_sandbox_id(), template=meta.image(row.template_id), ahead_of_demand=True
+        )
+        runtime = self._runtimes.named(row.runtime)
         async with self._catalog.use(row) as ref:  # fetched first if its copy was evicted
-            return await self._runtimes.named(row.runtime).restore(spec, ref)
+            instance = await runtime.restore(spec, ref)
+        # envd in the image holds the source's token: the same /init a restore of it gets.
+        return await initialised(self._envd_client, runtime, instance, meta.envs, meta.envd_access_token)
 
     async def _kill(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)

@@ -20,6 +20,7 @@ from agentenv.errors import AgentenvError, Failed, Gone, Unavailable
 from agentenv.orchestrator import templates
 from agentenv.orchestrator.background import Background
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from agentenv.orchestrator.envd_client import EnvdClient, initialised
 from agentenv.orchestrator.envd_exec import EnvdExec, start_and_wait_ready
 from agentenv.orchestrator.ids import new_sandbox_id
 from agentenv.orchestrator.pool import WarmPool
@@ -43,9 +44,15 @@ class TemplateSnapshot:
 
 class TemplateSnapshots:
     def __init__(
-        self, settings: Settings, catalog: SnapshotCatalog, runtimes: RuntimeSet, background: Background
+        self,
+        settings: Settings,
+        catalog: SnapshotCatalog,
+        runtimes: RuntimeSet,
+        background: Background,
+        envd_client: EnvdClient,
     ) -> None:
         self._settings = settings
+        self._envd_client = envd_client
         self._catalog = catalog
         self._runtimes = runtimes
         self._background = background
@@ -194,12 +201,13 @@ class TemplateSnapshots:
     # -- the warm pool -----------------------------------------------------------------------
 
     async def _make_pooled(self, key: str) -> SandboxInstance:
-        """One warm-pool sandbox: a restore of the template's snapshot, with no env vars or token
-        (a claim's ``/init`` sets them)."""
+        """One warm-pool sandbox: a restore of the template's snapshot and its ``/init`` with no
+        env vars or token (the claim's ``/init`` sets them and skips what this one did)."""
         snap = self._known[key]
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image, ahead_of_demand=True)
         async with self._catalog.use(snap.row) as ref:  # fetched first if its copy was evicted
-            return await snap.runtime.restore(spec, ref)
+            instance = await snap.runtime.restore(spec, ref)
+        return await initialised(self._envd_client, snap.runtime, instance, {}, None)
 
     async def _kill_pooled(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)

@@ -54,6 +54,7 @@ from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEvent
 from packaging.version import Version
 from protobuf import Oneof
 
+from agentenv.types import ENVD_INIT_REVALIDATE
 from tests.support import REPO
 from tests.support import free_port as _free_port
 
@@ -1467,6 +1468,13 @@ def test_init_keeps_captured_logins_only_while_nothing_changed(login_envd: Login
     try:
         # Behind envd's back: the captured login still stands ...
         assert login_envd.run("echo ${RESTORED-stale}") == "stale\n"
+        # ... also after an /init that says the sandbox ran on since the last one (a claim of a
+        # pooled sandbox, a thaw: nothing could change unseen, so nothing is checked) ...
+        no_restore = {"defaultUser": "loginuser", ENVD_INIT_REVALIDATE: False}
+        assert httpx.post(f"{login_envd.envd.url}/init", json=no_restore).status_code == 204
+        assert login_envd.run("echo ${RESTORED-stale}") == "stale\n"
+        bad = httpx.post(f"{login_envd.envd.url}/init", json={ENVD_INIT_REVALIDATE: "no"})
+        assert bad.status_code == 400 and ENVD_INIT_REVALIDATE in bad.json()["message"]
         resp = httpx.post(f"{login_envd.envd.url}/init", json={"defaultUser": "loginuser"})
         assert resp.status_code == 204
         # ... until /init.

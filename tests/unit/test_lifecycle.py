@@ -22,7 +22,7 @@ from agentenv.orchestrator.lifecycle import (
 )
 from agentenv.orchestrator.timing import utcnow
 from agentenv.orchestrator.undo import Undo
-from agentenv.types import SandboxState
+from agentenv.types import ENVD_INIT_REVALIDATE, SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
 #: Every test on both registry backends (the default SQLite file, and PostgreSQL).
@@ -256,6 +256,8 @@ async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_pa
         resumed, was_paused = await orch.connect(rec.sandbox_id, 60)
         assert was_paused and resumed.pause_tier is None and rec.sandbox_id not in runtime.frozen
         assert not runtime.restores  # thawed in place, not restored
+        # envd ran on, watched, until the freeze: the thaw's /init needs no revalidation.
+        assert runtime.seen[rec.sandbox_id].inits[-1][ENVD_INIT_REVALIDATE] is False
 
         await orch.pause(rec.sandbox_id)
         orch._move_frozen_to_disk([])  # nothing frozen long enough, memory plentiful: nothing moves
@@ -265,6 +267,7 @@ async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_pa
         assert on_disk.pause_snapshot is not None and runtime.snapshots[-1][2] is True  # stop=True
         resumed, _ = await orch.connect(rec.sandbox_id, 60)
         assert resumed.state == SandboxState.RUNNING and runtime.restores[-1][0] == rec.sandbox_id
+        assert ENVD_INIT_REVALIDATE not in runtime.seen[rec.sandbox_id].inits[-1]  # a restore: revalidate
 
         metrics = (await orch.node_metrics()).decode()
         assert 'agentenv_lifecycle_seconds_count{detail="frozen",operation="pause"} 2.0' in metrics
@@ -316,6 +319,12 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
         )
         assert third.origin == "standby" and third.restored_from == snap.snapshot_id
         assert third.envs == {"MINE": "1"} and orch.route(third.sandbox_id) is not None
+        # The standby had its restore's /init (revalidating) when it was made; the claim's only
+        # hands it over.
+        made, claimed = runtime.seen[third.sandbox_id].inits
+        assert ENVD_INIT_REVALIDATE not in made and made["envVars"] == {}
+        assert claimed[ENVD_INIT_REVALIDATE] is False and claimed["envVars"] == {"MINE": "1"}
+        assert ENVD_INIT_REVALIDATE not in runtime.seen[first.sandbox_id].inits[-1]
         await orch.delete_snapshot(snap.snapshot_id)
         assert orch.standbys.pool.ready(snap.snapshot_id) == 0  # its standbys went with it
         for rec in (source, first, second, third):
