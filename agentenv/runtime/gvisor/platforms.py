@@ -6,8 +6,9 @@ ptrace stop per system call), ``systrap`` (seccomp traps served by stub threads,
 since 2023) or ``kvm`` (only with VT-x/AMD-V; on a /dev/kvm without them runsc hangs). Which one
 is fastest depends on the host kernel and CPU, so each candidate runs one small container here
 and we time what a sandbox's life costs: a ``runsc run`` (a cold create), commands (an HTTP
-request to a server inside that starts ``sh -c "echo hi"`` with its output captured and answers
-with it: envd's path for every ``commands.run``), a checkpoint and a restore (pause, snapshot,
+request to a server inside that starts ``sh -c "/bin/true; echo hi"`` with its output captured and
+answers with it: envd's path for every ``commands.run``, and a process the command starts itself,
+as nearly every real one does), a checkpoint and a restore (pause, snapshot,
 every create from a template snapshot). :data:`WEIGHTS` says how many of each one sandbox's life
 is taken to have; the smallest weighted sum wins. The measurement costs a few seconds, once per
 runsc binary, kernel and :data:`PROBE_VERSION`: the result is kept in :data:`CACHE_FILE` under that
@@ -18,6 +19,14 @@ Why commands weigh most: on a 2-core PVM machine (kernel 6.18) systrap restored 
 starts against one run and two restores picked it; ``commands.run("echo hi")`` through envd then
 took 74-80 ms p50 against ptrace's 19-23 ms (docs/LATENCY.md). Restores mostly run ahead of demand
 (warm pools, standbys), off the caller's path; an agent's episode runs tens of commands.
+
+Why the command starts a process of its own (probe 3): a command that only starts ``sh`` from
+the server cost about the same on both platforms here (ptrace 14.5-15.1 ms, systrap 13.5-20.0 ms
+depending on the moment), so the choice flipped with the machine's noise, and a day's servers ran
+on systrap, where envd's ``commands.run("echo hi")`` took 44 ms p50 against ptrace's 29 and
+``/bin/true`` from ``bash`` 28.6 ms per start against 14.4. The fork inside the sandbox is what
+systrap pays for (a new address space and its stub): with it, the probe's command is 40-43 ms on
+systrap against 22-25 on ptrace, a margin noise does not flip.
 
 The probe container runs the host's own root file system read-only, without network, as root:
 nothing it runs is untrusted.
@@ -52,7 +61,7 @@ CACHE_FILE = Path("/var/cache/agentenv/runsc-platform.json")
 #: of commands (tens of tool calls), and is paused and resumed once.
 WEIGHTS = {"run_ms": 1.0, "command_ms": 50.0, "checkpoint_ms": 1.0, "restore_ms": 1.0}
 #: Part of the cache key: a new probe (what it times, its weights) measures again.
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 #: Commands timed inside the probe container (the median counts).
 COMMANDS = 30
 #: Rounds per platform; each operation counts with its fastest round (the machine is shared).
@@ -60,16 +69,17 @@ ROUNDS = 2
 #: Seconds any one probe step may take (a platform that cannot run here may hang).
 STEP_TIMEOUT = 30.0
 
-#: A server answering each POST with the output of ``sh -c "echo hi"`` (run with captured pipes,
-#: as envd runs a command) and a client process timing :data:`COMMANDS` requests over loopback, each
-#: on a new connection; prints the median in nanoseconds.
+#: A server answering each POST with the output of ``sh -c "/bin/true; echo hi"`` (run with
+#: captured pipes, as envd runs a command; the shell forks and execs a process of its own) and a
+#: client process timing :data:`COMMANDS` requests over loopback, each on a new connection; prints
+#: the median in nanoseconds.
 _COMMAND_LOOP = f"""
 import http.client, http.server, os, subprocess, threading, time
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def do_POST(self):
         self.rfile.read(int(self.headers["content-length"]))
-        out = subprocess.run(["/bin/sh", "-c", "echo hi"], capture_output=True).stdout
+        out = subprocess.run(["/bin/sh", "-c", "/bin/true; echo hi"], capture_output=True).stdout
         self.send_response(200)
         self.send_header("content-length", str(len(out)))
         self.end_headers()
