@@ -38,7 +38,10 @@ class Exit:
     error: str | None = None
 
 
-def _auth(user: str) -> dict[str, str]:
+def _auth(user: str | None) -> dict[str, str]:
+    """The request's user; None: envd's default user."""
+    if user is None:
+        return {}
     return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
 
 
@@ -70,7 +73,7 @@ class EnvdExec:
         instance: SandboxInstance,
         argv: list[str],
         *,
-        user: str,
+        user: str | None,
         cwd: str | None = None,
         envs: dict[str, str] | None = None,
         output: OutputSink | None = None,

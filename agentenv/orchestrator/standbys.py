@@ -19,6 +19,7 @@ import logging
 from agentenv.config import Settings
 from agentenv.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
 from agentenv.orchestrator.envd_client import EnvdClient, initialised
+from agentenv.orchestrator.envd_exec import EnvdExec
 from agentenv.orchestrator.ids import new_sandbox_id
 from agentenv.orchestrator.pool import WarmPool
 from agentenv.orchestrator.runtimes import RuntimeSet
@@ -37,6 +38,7 @@ class Standbys:
     ) -> None:
         self._settings = settings
         self._envd_client = envd_client
+        self._commands = EnvdExec()
         self._catalog = catalog
         self._runtimes = runtimes
         self._restores: collections.Counter[str] = collections.Counter()
@@ -83,10 +85,13 @@ class Standbys:
         async with self._catalog.use(row) as ref:  # fetched first if its copy was evicted
             instance = await runtime.restore(spec, ref)
         # envd in the image holds the source's token: the same /init a restore of it gets.
-        return await initialised(self._envd_client, runtime, instance, meta.envs, meta.envd_access_token)
+        return await initialised(
+            self._envd_client, self._commands, runtime, instance, meta.envs, meta.envd_access_token
+        )
 
     async def _kill(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)
 
     async def close(self) -> None:
         await self.pool.close()
+        await self._commands.close()

@@ -207,7 +207,7 @@ class TemplateSnapshots:
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image, ahead_of_demand=True)
         async with self._catalog.use(snap.row) as ref:  # fetched first if its copy was evicted
             instance = await snap.runtime.restore(spec, ref)
-        return await initialised(self._envd_client, snap.runtime, instance, {}, None)
+        return await initialised(self._envd_client, self._envd, snap.runtime, instance, {}, None)
 
     async def _kill_pooled(self, instance: SandboxInstance) -> None:
         await self._runtimes.named(instance.runtime).kill(instance)

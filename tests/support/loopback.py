@@ -35,6 +35,8 @@ class Upstream:
 
     inits: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    #: ``process.Process/Start`` requests (Connect JSON), each with whether it had a user.
+    starts: list[dict[str, Any]] = field(default_factory=list)
 
 
 def upstream_app(seen: Upstream) -> Starlette:
@@ -44,6 +46,18 @@ def upstream_app(seen: Upstream) -> Starlette:
     async def init(request: Request) -> Response:
         seen.inits.append(await request.json())
         return Response(status_code=204)
+
+    async def start(request: Request) -> Response:
+        """envd's Connect JSON ``Start``: the request is kept; the process starts as pid 1000
+        and ends with exit code 0 at once."""
+        body = await request.body()
+        message = json.loads(body[5:])  # one envelope: flags, length, JSON
+        message["authorization"] = request.headers.get("authorization")
+        seen.starts.append(message)
+        events = [{"event": {"start": {"pid": 1000}}}, {"event": {"end": {"exitCode": 0, "exited": True}}}]
+        frames = [(0, json.dumps(e).encode()) for e in events] + [(2, b"{}")]
+        data = b"".join(bytes([flags]) + len(d).to_bytes(4, "big") + d for flags, d in frames)
+        return Response(data, media_type="application/connect+json")
 
     async def upload(request: Request) -> JSONResponse:
         digest = hashlib.sha256()
@@ -107,6 +121,7 @@ def upstream_app(seen: Upstream) -> Starlette:
         routes=[
             Route("/health", health),
             Route("/init", init, methods=["POST"]),
+            Route("/process.Process/Start", start, methods=["POST"]),
             Route("/upload", upload, methods=["POST", "PUT"]),
             Route("/download", download),
             Route("/stream", stream),

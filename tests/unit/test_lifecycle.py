@@ -13,6 +13,7 @@ import pytest_asyncio
 
 from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed, NotFound
+from agentenv.orchestrator.envd_client import WARM_UP_COMMAND
 from agentenv.orchestrator.lifecycle import (
     EDGES,
     STARTS_FROM,
@@ -325,6 +326,11 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
         assert ENVD_INIT_REVALIDATE not in made and made["envVars"] == {}
         assert claimed[ENVD_INIT_REVALIDATE] is False and claimed["envVars"] == {"MINE": "1"}
         assert ENVD_INIT_REVALIDATE not in runtime.seen[first.sandbox_id].inits[-1]
+        # ... and ran one command that does nothing, as envd's default user, before the claim.
+        (warm_up,) = runtime.seen[third.sandbox_id].starts
+        assert [warm_up["process"]["cmd"], *warm_up["process"]["args"]] == WARM_UP_COMMAND
+        assert warm_up["authorization"] is None
+        assert not runtime.seen[first.sandbox_id].starts  # a restore on demand runs nothing
         await orch.delete_snapshot(snap.snapshot_id)
         assert orch.standbys.pool.ready(snap.snapshot_id) == 0  # its standbys went with it
         for rec in (source, first, second, third):
