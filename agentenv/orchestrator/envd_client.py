@@ -89,9 +89,11 @@ class EnvdClient:
         await self._http.aclose()
 
 
-#: What a sandbox restored ahead of demand runs once (see :func:`initialised`): bash, reading no
-#: profile and no rc file, doing nothing.
-WARM_UP_COMMAND = ["/bin/bash", "--noprofile", "--norc", "-c", "true"]
+#: What a sandbox restored ahead of demand runs once (see :func:`initialised`): a command doing
+#: nothing, sent as ``commands.run`` sends one, so that it takes the path the first real one takes
+#: (the default user's captured login: the profile does not run again unless no capture stands,
+#: when a capture would run it anyway).
+WARM_UP_COMMAND = ["/bin/bash", "-l", "-c", "true"]
 
 
 async def initialised(
@@ -106,8 +108,9 @@ async def initialised(
     command that does nothing. The ``/init`` does what a restore needs from envd (new watches,
     the captured logins checked) before anyone claims it, so the claim's own ``/init`` skips it.
     The command faults in what the first command after a restore touches (envd's process-start
-    path, bash's pages): a claim's first ``echo hi`` took 41.9 ms p50 without it and 34.4 with it,
-    as fast as the second (10 creates each, docs/LATENCY.md). Killed if the ``/init`` fails (no
+    path, its captured login, bash's pages): a claim's first ``echo hi`` took 41.9 ms p50 without
+    it and 34.4 with it, as fast as the second (10 creates each; a warm-up with ``bash --noprofile
+    --norc`` left 6.5 ms of the difference, docs/LATENCY.md). Killed if the ``/init`` fails (no
     one else owns it yet); a warm-up that fails (a root without bash) is only logged."""
     try:
         await client.init(instance, envs, access_token)
