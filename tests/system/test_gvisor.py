@@ -16,7 +16,7 @@ from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
 from agentenv.config import GvisorSettings
-from agentenv.errors import Failed
+from agentenv.errors import Failed, Gone
 from agentenv.runtime.gvisor import cgroups, disk, platforms
 from agentenv.runtime.gvisor.runsc import CONTROL_SOCKET_DIRS, Runsc
 from agentenv.runtime.gvisor.runtime import GvisorRuntime
@@ -338,6 +338,26 @@ async def test_snapshot_of_a_running_sandbox_only_pauses_it(
     assert len(gvisor.disks.chain(paths)) == len(chain_before) + 1
     code, out = await run(instance, "cat /home/user/later")
     assert (code, out.strip()) == (0, "more")
+
+
+async def test_a_restore_whose_disk_fails_leaves_nothing_of_its_network(
+    gvisor: GvisorRuntime, base_template: TemplateImage, sandbox_factory: SandboxFactory, tmp_path: Path
+) -> None:
+    """A restore makes its network and mounts its disk at once: when the disk fails (a layer of
+    the snapshot is gone), the network made beside it is torn down with the rest."""
+    instance = await sandbox_factory(gvisor)
+    ref = SnapshotRef("layers-gone", tmp_path / "layers-gone")
+    await gvisor.snapshot(instance, ref, stop=False)
+    meta_file = ref.path / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["layers"] = ["l00000000deadbeef", *meta["layers"]]
+    meta_file.write_text(json.dumps(meta))
+    links, namespaces = leaks.host_links(), leaks.agentenv_netns()
+    child = SandboxSpec(sandbox_id=unique_id("child"), template=base_template)
+    with pytest.raises(Gone, match="l00000000deadbeef"):
+        await gvisor.restore(child, ref)
+    assert leftovers(gvisor, child.sandbox_id) == {}
+    assert leaks.host_links() == links and leaks.agentenv_netns() == namespaces
 
 
 async def test_a_file_the_sandbox_maps_shared_is_seen_and_not_precopied(

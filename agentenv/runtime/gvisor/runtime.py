@@ -18,8 +18,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from agentenv.config import Settings
 from agentenv.errors import Conflict, Failed, Gone
@@ -52,6 +53,7 @@ from agentenv.types import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Seconds a new sandbox's envd gets to answer ``/health``.
 ENVD_START_TIMEOUT = 60.0
@@ -553,15 +555,18 @@ class GvisorRuntime(Runtime):
         envd_bundle = await asyncio.to_thread(build_envd_bundle, self.settings)
         timings: dict[str, float] = {}
         net: SandboxNetwork | None = None
+        # The network and the disk do not depend on each other: made at once (a restore's
+        # network is ~14 ms of ip and iptables processes, its disk ~17 ms of mounts).
+        net_step = asyncio.ensure_future(
+            _timed(self._restore_network(spec, saved_net, resume), timings, "network_ms")
+        )
+        disk = checkpoint.mount_snapshot_disk(
+            self.disks, paths, spec.template.rootfs, meta, resume=resume, disk_mb=spec.template.disk_mb
+        )
+        disk_step = asyncio.ensure_future(_timed(disk, timings, "disk_ms"))
         try:
-            t = time.monotonic()
-            net = await self._restore_network(spec, saved_net, resume)
-            timings["network_ms"] = elapsed_ms(t)
-            t = time.monotonic()
-            rootfs = await checkpoint.mount_snapshot_disk(
-                self.disks, paths, spec.template.rootfs, meta, resume=resume, disk_mb=spec.template.disk_mb
-            )
-            timings["disk_ms"] = elapsed_ms(t)
+            await _both(net_step, disk_step)
+            net, rootfs = net_step.result(), disk_step.result()
             self._write_bundle(spec, net, rootfs, envd_bundle)
             instance = self._instance(spec, net, envd_bundle)
             t = time.monotonic()
@@ -572,6 +577,8 @@ class GvisorRuntime(Runtime):
             await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
             timings["envd_ms"] = elapsed_ms(t)
         except BaseException:
+            if net is None and net_step.done() and not net_step.cancelled() and not net_step.exception():
+                net = net_step.result()  # made, though the disk failed: torn down with the rest
             await self._destroy(paths, net)
             raise
         log.info("gvisor restore of %s from %s: %s", spec.sandbox_id, source.snapshot_id, timings)
@@ -585,3 +592,28 @@ class GvisorRuntime(Runtime):
         if resume and await asyncio.to_thread(os.path.exists, saved.netns_path):
             return saved
         return await self._setup_network(spec)
+
+
+async def _timed(step: Awaitable[T], timings: dict[str, float], key: str) -> T:
+    started = time.monotonic()
+    result = await step
+    timings[key] = elapsed_ms(started)
+    return result
+
+
+async def _both(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> None:
+    """Until both steps ended, then raise the first one's failure, if any. A cancellation
+    cancels both and still waits for them: what either made is undone only after it ended."""
+    steps = {first, second}
+    try:
+        await asyncio.wait(steps)
+    except asyncio.CancelledError:
+        for step in steps:
+            step.cancel()
+        await asyncio.wait(steps)
+        raise
+    for step in (first, second):
+        if step.cancelled():
+            raise asyncio.CancelledError
+        if (failure := step.exception()) is not None:
+            raise failure
