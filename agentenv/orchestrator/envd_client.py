@@ -18,11 +18,19 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WORKDIR = f"/home/{SANDBOX_USER}"
 INIT_ATTEMPTS = 20
+#: Below envd's own keep-alive of idle connections (60 s, envd/server.py).
+ENVD_KEEPALIVE_S = 50.0
 
 
 class EnvdClient:
     def __init__(self) -> None:
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
+        # Idle connections kept nearly as long as envd keeps them (60 s): a pooled sandbox's
+        # claim then sends its /init on the connection its restore's /init opened.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(10.0),
+            limits=httpx.Limits(keepalive_expiry=ENVD_KEEPALIVE_S),
+            trust_env=False,
+        )
 
     async def init(
         self,
@@ -93,7 +101,7 @@ class EnvdClient:
 #: nothing, sent as ``commands.run`` sends one, so that it takes the path the first real one takes
 #: (the default user's captured login: the profile does not run again unless no capture stands,
 #: when a capture would run it anyway).
-WARM_UP_COMMAND = ["/bin/bash", "-l", "-c", "true"]
+WARM_UP_COMMAND = ["/bin/bash", "-l", "-c", "echo"]
 
 
 async def initialised(
