@@ -102,6 +102,8 @@ class EnvdClient:
 #: (the default user's captured login: the profile does not run again unless no capture stands,
 #: when a capture would run it anyway).
 WARM_UP_COMMAND = ["/bin/bash", "-l", "-c", "echo"]
+#: The longest a warm-up may take (it takes ~35 ms; a profile that hangs must not stall the pool).
+WARM_UP_TIMEOUT_S = 10.0
 
 
 async def initialised(
@@ -127,7 +129,14 @@ async def initialised(
             await runtime.kill(instance)
         raise
     try:
-        await commands.run(instance, WARM_UP_COMMAND, user=None, access_token=access_token)
+        async with asyncio.timeout(WARM_UP_TIMEOUT_S):
+            await commands.run(instance, WARM_UP_COMMAND, user=None, access_token=access_token)
     except AgentenvError as exc:
         log.info("warming up the commands of %s failed: %s", instance.sandbox_id, exc)
+    except TimeoutError:
+        # Only without a captured login does bash -l run the profile: one that hangs would hang
+        # every command of the sandbox as well. The pool still gets the sandbox.
+        log.warning(
+            "warming up the commands of %s: no answer in %.0f s", instance.sandbox_id, WARM_UP_TIMEOUT_S
+        )
     return instance
