@@ -98,9 +98,9 @@ class EnvdClient:
 
 
 #: What a sandbox restored ahead of demand runs once (see :func:`initialised`): a command printing
-#: an empty line, sent as ``commands.run`` sends one, so that it takes the path the first real one takes
-#: (the default user's captured login: the profile does not run again unless no capture stands,
-#: when a capture would run it anyway).
+#: an empty line, sent as ``commands.run`` sends one, so that it takes the path the first real one
+#: takes (the default user's captured login: the profile does not run again unless no capture
+#: stands, when a capture would run it anyway).
 WARM_UP_COMMAND = ["/bin/bash", "-l", "-c", "echo"]
 #: The longest a warm-up may take (it takes ~35 ms; a profile that hangs must not stall the pool).
 WARM_UP_TIMEOUT_S = 10.0
@@ -115,13 +115,14 @@ async def initialised(
     access_token: str | None,
 ) -> SandboxInstance:
     """A sandbox restored ahead of demand (warm pool, standby), after its ``/init`` and one
-    command that only prints an empty line. The ``/init`` does what a restore needs from envd (new watches,
-    the captured logins checked) before anyone claims it, so the claim's own ``/init`` skips it.
-    The command faults in what the first command after a restore touches (envd's process-start
-    path, its captured login, the output path, bash's pages): without it a claim's first ``echo
-    hi`` was 12 ms slower than its second (49.2 against 37.2 ms p50, 16 creates), with it 4 ms
-    (41.5 against 37.3; docs/LATENCY.md, session 8). Killed if the ``/init`` fails (no
-    one else owns it yet); a warm-up that fails (a root without bash) is only logged."""
+    command that only prints an empty line. The ``/init`` does what a restore needs from envd
+    (new watches, the captured logins checked) before anyone claims it, so the claim's own
+    ``/init`` skips it. The command faults in what the first command after a restore touches
+    (envd's process-start path, its captured login, the output path, bash's pages): without it
+    a claim's first ``echo hi`` was 12 ms slower than its second (49.2 against 37.2 ms p50, 16
+    creates), with it 4 ms (41.5 against 37.3; docs/LATENCY.md, session 8). Killed if the
+    ``/init`` fails (no one else owns it yet); a warm-up that fails (a root without bash) or
+    hangs is only logged."""
     try:
         await client.init(instance, envs, access_token)
     except BaseException:
