@@ -18,19 +18,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WORKDIR = f"/home/{SANDBOX_USER}"
 INIT_ATTEMPTS = 20
-#: Below envd's own keep-alive of idle connections (60 s, envd/server.py).
-ENVD_KEEPALIVE_S = 50.0
 
 
 class EnvdClient:
     def __init__(self) -> None:
-        # Idle connections kept nearly as long as envd keeps them (60 s): a pooled sandbox's
-        # claim then sends its /init on the connection its restore's /init opened.
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(10.0),
-            limits=httpx.Limits(keepalive_expiry=ENVD_KEEPALIVE_S),
-            trust_env=False,
-        )
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
 
     async def init(
         self,
@@ -67,7 +59,11 @@ class EnvdClient:
                 resp = await self._http.post(url, json=body, headers=headers)
             except httpx.TransportError as exc:  # envd answered /health, so this is transient
                 last = exc
-                await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+                # The first failure is often a kept-alive connection to whatever had this address
+                # before (a killed sandbox, this one before its checkpoint): the new sandbox resets
+                # it at once, and a new connection needs no wait.
+                if attempt:
+                    await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), 0.5))
                 continue
             if resp.status_code >= 300:
                 raise Unavailable(f"envd /init answered {resp.status_code}: {resp.text[:300]}")
