@@ -59,9 +59,9 @@ class EnvdClient:
                 resp = await self._http.post(url, json=body, headers=headers)
             except httpx.TransportError as exc:  # envd answered /health, so this is transient
                 last = exc
-                # The first failure is often a kept-alive connection to whatever had this address
-                # before (a killed sandbox, this one before its checkpoint): the new sandbox resets
-                # it at once, and a new connection needs no wait.
+                # A first failure can be a kept-alive connection to whatever had this address
+                # before (a killed sandbox, this one before its checkpoint), which the new sandbox
+                # resets at once: a new connection needs no wait.
                 if attempt:
                     await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), 0.5))
                 continue

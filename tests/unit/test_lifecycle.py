@@ -326,7 +326,7 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
         assert ENVD_INIT_REVALIDATE not in made and made["envVars"] == {}
         assert claimed[ENVD_INIT_REVALIDATE] is False and claimed["envVars"] == {"MINE": "1"}
         assert ENVD_INIT_REVALIDATE not in runtime.seen[first.sandbox_id].inits[-1]
-        # ... and ran one command that does nothing, as envd's default user, before the claim.
+        # ... and ran one warm-up command (it prints an empty line), as envd's default user, before the claim.
         (warm_up,) = runtime.seen[third.sandbox_id].starts
         assert [warm_up["process"]["cmd"], *warm_up["process"]["args"]] == WARM_UP_COMMAND
         assert warm_up["authorization"] is None

@@ -51,6 +51,8 @@ COPY_MAX_ENTRIES = 4096
 #: mkfs of a sandbox disk: no blocks reserved for root (the sandbox gets all of its size),
 #: inode tables and journal initialised lazily (20-30 ms for 4 GiB here, the image stays sparse).
 MKFS = ("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard")
+#: Part of a blank file system's name (see :meth:`RootDisks._blank`): new mkfs options, new blanks.
+_MKFS_TAG = hashlib.sha256(" ".join(MKFS).encode()).hexdigest()[:12]
 #: ``discard``: what the sandbox deletes is punched out of the sparse image, back to the node.
 DISK_MOUNT_OPTIONS = "loop,noatime,discard"
 #: The smallest disk a sandbox gets (ext4 and its journal need room of their own).
@@ -130,8 +132,7 @@ class RootDisks:
         """A new file system of ``size_mb`` MiB, made once per size (and mkfs options): a
         sandbox's disk is a sparse copy of it (1-2 ms for the ~2 MiB mkfs writes, against a
         mkfs.ext4 process per sandbox). Copies share the file system's UUID, which ext4 allows."""
-        tag = hashlib.sha256(" ".join(MKFS).encode()).hexdigest()[:12]
-        blank = self._blanks / f"ext4-{size_mb}m-{tag}.img"
+        blank = self._blanks / f"ext4-{size_mb}m-{_MKFS_TAG}.img"
         if blank.exists():
             return blank
         self._blanks.mkdir(parents=True, exist_ok=True)
