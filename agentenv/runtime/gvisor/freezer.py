@@ -12,6 +12,7 @@ SIGKILL to a frozen task until it is thawed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -53,7 +54,14 @@ def has_tasks(sandbox_id: str) -> bool:
 
 
 async def freeze(sandbox_id: str) -> None:
-    await _set(sandbox_id, frozen=True)
+    """Freeze every task of the sandbox; on failure the sandbox is thawed again and left running
+    (a cgroup stuck half-frozen would hang every later runsc command on it)."""
+    try:
+        await _set(sandbox_id, frozen=True)
+    except Failed:
+        with contextlib.suppress(Failed):
+            await _set(sandbox_id, frozen=False)
+        raise
 
 
 async def thaw(sandbox_id: str) -> None:
@@ -62,28 +70,49 @@ async def thaw(sandbox_id: str) -> None:
         await _set(sandbox_id, frozen=False)
 
 
+#: While a v1 freeze reads FREEZING, FROZEN is written again every poll, and every this many
+#: polls the cgroup is thawed for a moment first. The v1 freezer signals the cgroup's tasks once
+#: per write, and a task that misses it is left running with the cgroup in FREEZING (CI here saw
+#: one freeze of a ptrace-platform sandbox stuck so for 5 s); runc and youki rewrite for the same
+#: reason, with the same occasional thaw. cgroup v2 freezes reliably with one write.
+REFREEZE_THAW_EVERY = 50
+
+
 async def _set(sandbox_id: str, *, frozen: bool) -> None:
     v1, v2 = _v1_state(sandbox_id), _v2_freeze(sandbox_id)
+    verb = "freeze" if frozen else "thaw"
     if v1.exists():
-        target, write, done = (
-            v1,
-            "FROZEN" if frozen else "THAWED",
-            lambda: _read(v1) == ("FROZEN" if frozen else "THAWED"),
-        )
+        wanted = "FROZEN" if frozen else "THAWED"
+        target, write = v1, wanted
+
+        def done() -> bool:
+            return _read(v1) == wanted
+
     elif v2.exists():
-        target, write, done = v2, "1" if frozen else "0", lambda: is_frozen(sandbox_id) == frozen
+        target, write = v2, "1" if frozen else "0"
+
+        def done() -> bool:
+            return is_frozen(sandbox_id) == frozen
+
     else:
         raise NotSupported(f"sandbox {sandbox_id} has no freezer cgroup")
-    try:
-        target.write_text(write)
-    except OSError as exc:
-        raise Failed(f"{'freezing' if frozen else 'thawing'} sandbox {sandbox_id} failed: {exc}") from exc
+    _write(target, write, sandbox_id, verb)
     deadline = time.monotonic() + SETTLE_SECONDS
-    delay = 0.0005
+    delay, polls = 0.0005, 0
     while not done():
         if time.monotonic() > deadline:
-            raise Failed(
-                f"sandbox {sandbox_id} did not {'freeze' if frozen else 'thaw'} within {SETTLE_SECONDS:.0f}s"
-            )
+            raise Failed(f"sandbox {sandbox_id} did not {verb} within {SETTLE_SECONDS:.0f}s")
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.02)
+        delay, polls = min(delay * 2, 0.02), polls + 1
+        if target is v1 and frozen:
+            if polls % REFREEZE_THAW_EVERY == 0:
+                _write(v1, "THAWED", sandbox_id, verb)
+                await asyncio.sleep(0.01)
+            _write(v1, "FROZEN", sandbox_id, verb)
+
+
+def _write(target: Path, value: str, sandbox_id: str, verb: str) -> None:
+    try:
+        target.write_text(value)
+    except OSError as exc:
+        raise Failed(f"{verb} of sandbox {sandbox_id} failed: {exc}") from exc
