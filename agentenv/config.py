@@ -149,6 +149,9 @@ class Settings(BaseSettings):
     #: ahead of demand (0 turns standbys off), for at most ``snapshot_standby_snapshots`` snapshots.
     snapshot_standbys: int = 2
     snapshot_standby_snapshots: int = 4
+    #: A snapshot's standbys grow to the largest group of creates from it (creates arriving at
+    #: once), up to this many, while the node has memory to spare (``orchestrator/standbys.py``).
+    snapshot_standbys_max: int = 16
     #: Tiered pause: a pause freezes the sandbox in place (memory, network and address kept; a
     #: resume thaws it in milliseconds). False: every pause checkpoints to disk.
     pause_freeze: bool = True

@@ -17,7 +17,8 @@ Three servers, one after the other:
   frozen tier with its 120 s disk-after): create from the template (a warm-pool claim), create
   from a snapshot's standby, pause (frozen) and resume of a frozen sandbox -> first command,
   ``echo hi`` round trip beside ``GET /health``, snapshot of a sandbox that just wrote 100 MiB,
-  fork 16, 64 forks answering, kill.
+  a group of 16 created at once from a snapshot's standbys (the first group sizes them), fork 16,
+  64 forks answering, kill.
 
 Every sandbox's origin (``warm_pool``, ``standby``, ``snapshot``...) and every pause's tier
 (``frozen``, ``disk``) is read from the server's registry (``<data_dir>/agentenv.sqlite3``): a
@@ -136,6 +137,12 @@ TARGETS = (
         "fork 16 -> all answering",
         2000,
         "create_from_snapshot_to_first_command",
+    ),
+    Target(
+        "group16_from_standbys_to_all_answering",
+        "16 creates at once from a snapshot's standbys -> all answering",
+        500,
+        "fork16_to_all_answering",
     ),
     Target("echo_hi_round_trip", "`echo hi` round trip", 30, "http_health_round_trip"),
     Target("kill", "kill", 50, "http_health_round_trip"),
@@ -272,6 +279,19 @@ class Pools:
                 self._pending[source] = len(before.get(source, [])) + self.standby_high
         created.origin = origin
         return created
+
+    def wait_ready(self, key: str, count: int) -> bool:
+        """Until the pool ``key`` holds ``count`` unclaimed sandboxes (False: not in
+        :data:`POOL_WAIT_SECONDS`, booked as an error), then until the cores are quiet."""
+        started = time.monotonic()
+        while (ready := self._ready(key, self.announced())) < count:
+            if time.monotonic() - started > POOL_WAIT_SECONDS:
+                self.errors.append(f"pool {key}: {ready} of {count} ready after {POOL_WAIT_SECONDS:.0f} s")
+                return False
+            time.sleep(0.05)
+        _wait_quiet()
+        self.waited_s += time.monotonic() - started
+        return True
 
     def forget(self, snapshot_id: str) -> None:
         """The snapshot was deleted: its standbys go, and a refill of them never finishes."""
@@ -542,6 +562,58 @@ def _snapshot_after_write(
         pools.forget(snapshot_id)
 
 
+def _create_group(snapshot_id: str, server: ServerProcess, errors: list[str]) -> tuple[list[Any], float]:
+    """:data:`FORK_COUNT` creates from ``snapshot_id`` at once, each until it answers a command:
+    (the sandboxes that answered, seconds until the last did)."""
+    from e2b import Sandbox
+
+    def member() -> Any:
+        try:
+            sbx = Sandbox.create(snapshot_id, timeout=600, **_sdk(server))
+        except Exception as exc:
+            errors.append(f"group create: {exc}")
+            return None
+        try:
+            _first_command(sbx)
+        except Exception as exc:
+            errors.append(f"group member {sbx.sandbox_id}: {exc}")
+            with contextlib.suppress(Exception):
+                sbx.kill()
+            return None
+        return sbx
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=FORK_COUNT) as pool:
+        members = list(pool.map(lambda _: member(), range(FORK_COUNT)))
+    return [m for m in members if m is not None], time.perf_counter() - start
+
+
+def _groups_from_standbys(
+    snapshot_id: str,
+    server: ServerProcess,
+    pools: Pools,
+    runs: int,
+    samples: dict[str, list[float]],
+    seen: Counter[str],
+    errors: list[str],
+) -> None:
+    """A GRPO trainer's step: a group of 16 created at once from one start state. The first
+    group (restores) makes the snapshot keep 16 standbys; each timed group claims them."""
+    members, _ = _create_group(snapshot_id, server, errors)
+    _kill_all(members)
+    for _ in range(runs):
+        if not pools.wait_ready(snapshot_id, FORK_COUNT):
+            return
+        members, seconds = _create_group(snapshot_id, server, errors)
+        origins = Counter(pools.registry.origin(m.sandbox_id) for m in members)
+        seen.update({f"group create from snapshot: {o}": n for o, n in origins.items()})
+        if origins["standby"] == FORK_COUNT:
+            samples["group16_from_standbys_to_all_answering"].append(seconds)
+        else:
+            errors.append(f"group of {FORK_COUNT} from standbys: origins {dict(origins)}")
+        _kill_all(members)
+
+
 def _all_answer(children: list[Any]) -> int:
     """Run a command in every child at once; how many answered."""
 
@@ -679,6 +751,8 @@ def _main(
             if i >= RESTORES_BEFORE_STANDBYS:  # one snapshot round per run
                 _snapshot_after_write(resumed, server, pools, samples)
             resumed.kill()
+        pools.settle()
+        _groups_from_standbys(snap.snapshot_id, server, pools, _fork_runs(runs), samples, seen, errors)
         Sandbox.delete_snapshot(snap.snapshot_id, **opts)
         pools.forget(snap.snapshot_id)
         pools.settle()
@@ -736,7 +810,8 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
         "standbys, frozen tier). A sample counts in a row only when the registry shows that path "
         "(origin, pause tier: paths_seen). Unavailable = snapshot request start -> request end -> "
         "first command answers; prober gap = longest time without an answer of a concurrent "
-        "command loop (>= one round trip). Fork rows: AGENTENV_BENCH_FORK_RUNS (default 3) runs; "
+        "command loop (>= one round trip). Fork and group rows: AGENTENV_BENCH_FORK_RUNS (default 3) "
+        "runs, a group counted only when all 16 claimed standbys (an untimed first group sizes them); "
         f"{MANY_FORKS} forks once, through POST /sandboxes/{{id}}/fork (the SDK allows 20).",
     }
 

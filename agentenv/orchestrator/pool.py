@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 Maker = Callable[[str], Awaitable[SandboxInstance]]
 #: Destroys a pooled sandbox that is not wanted any more.
 Killer = Callable[[SandboxInstance], Awaitable[None]]
+#: The high watermark of one pool key, read before each sandbox a refill makes (a pool whose
+#: demand grows is filled further by the refill already running).
+HighFor = Callable[[str], int]
 #: After a failed refill, wait this long before trying again (the failure is logged).
 RETRY_SECONDS = 5.0
 #: A refill waits for a quiet moment at most this many ``quiet_seconds`` (claims that never stop
@@ -46,11 +49,20 @@ class _Pool:
 
 
 class WarmPool:
-    def __init__(self, low: int, high: int, make: Maker, kill: Killer, quiet_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        low: int,
+        high: int,
+        make: Maker,
+        kill: Killer,
+        quiet_seconds: float = 0.0,
+        high_for: HighFor | None = None,
+    ) -> None:
         if not 0 <= low <= high:
             raise ValueError(f"warm pool watermarks must satisfy 0 <= low <= high, got {low}, {high}")
         self.low = low
         self.high = high
+        self._high_for = high_for
         self.quiet_seconds = quiet_seconds
         self._last_claim = -float("inf")
         self._make = make
@@ -77,6 +89,10 @@ class WarmPool:
             self.fill(key)
         return instance
 
+    def high_of(self, key: str) -> int:
+        """The high watermark of ``key`` (``high`` unless the pool was given ``high_for``)."""
+        return self._high_for(key) if self._high_for is not None else self.high
+
     def fill(self, key: str) -> None:
         """Start filling ``key``'s pool up to ``high`` in the background (no-op if running)."""
         if not self.enabled or self._closed:
@@ -86,7 +102,7 @@ class WarmPool:
             pool.filler = asyncio.create_task(self._fill(key, pool), name=f"warm-pool-{key}")
 
     async def _fill(self, key: str, pool: _Pool) -> None:
-        while not self._closed and len(pool.ready) < self.high:
+        while not self._closed and len(pool.ready) < self.high_of(key):
             await self._quiet()
             started = time.monotonic()
             try:
@@ -107,7 +123,7 @@ class WarmPool:
                 instance.sandbox_id,
                 (time.monotonic() - started) * 1000,
                 len(pool.ready),
-                self.high,
+                self.high_of(key),
             )
 
     async def _quiet(self) -> None:

@@ -21,6 +21,7 @@ from agentenv.orchestrator.lifecycle import (
     Orchestrator,
     build_orchestrator,
 )
+from agentenv.orchestrator.store import SandboxRecord
 from agentenv.orchestrator.timing import utcnow
 from agentenv.orchestrator.undo import Undo
 from agentenv.types import ENVD_INIT_REVALIDATE, SandboxState
@@ -336,3 +337,48 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
         for rec in (source, first, second, third):
             await orch.kill(rec.sandbox_id)
     assert not runtime.servers  # nothing left running, standbys included
+
+
+async def test_standbys_grow_to_the_largest_group_created_at_once(tmp_path: Path) -> None:
+    """A trainer creating a group from one snapshot each step gets a standby for every member
+    from the next group on (up to ``snapshot_standbys_max``), and no more while memory is short."""
+    async with loopback_node(tmp_path, snapshot_standbys=2, snapshot_standbys_max=4) as (orch, runtime):
+        source = await orch.create(request())
+        snap = await orch.create_snapshot(source.sandbox_id, "task-start")
+        sid = snap.snapshot_id
+
+        async def group(size: int) -> list[SandboxRecord]:
+            return list(await asyncio.gather(*(orch.create(request(sid)) for _ in range(size))))
+
+        async def ready(count: int) -> None:
+            for _ in range(300):
+                if orch.standbys.pool.ready(sid) >= count:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"{orch.standbys.pool.ready(sid)} standbys ready, wanted {count}")
+
+        first = await group(6)  # restores (the snapshot is new), then standbys as they come
+        assert [r.origin for r in first].count("snapshot") >= 2
+        assert orch.standbys.wanted(sid) == 4  # a group of 6, at most 4
+        await ready(4)
+        second = await group(4)
+        assert [r.origin for r in second] == ["standby"] * 4
+        await ready(4)  # the claims emptied the pool: it refills to the group's size
+        orch.standbys._memory_short = lambda: True  # type: ignore[method-assign]
+        assert orch.standbys.wanted(sid) == 2  # only the base count while memory is short
+        for rec in (source, *first, *second):
+            await orch.kill(rec.sandbox_id)
+    assert not runtime.servers
+
+
+async def test_creates_far_apart_keep_the_base_count_of_standbys(tmp_path: Path) -> None:
+    async with loopback_node(tmp_path, snapshot_standbys=2, snapshot_standbys_max=8) as (orch, _):
+        source = await orch.create(request())
+        snap = await orch.create_snapshot(source.sandbox_id, "task-start")
+        made = []
+        for _ in range(4):
+            made.append(await orch.create(request(snap.snapshot_id)))
+            await asyncio.sleep(0.3)  # more than GROUP_GAP_SECONDS apart: groups of one
+        assert orch.standbys.wanted(snap.snapshot_id) == 2
+        for rec in (source, *made):
+            await orch.kill(rec.sandbox_id)
