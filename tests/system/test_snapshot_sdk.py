@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import re
@@ -10,6 +11,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -62,6 +64,46 @@ def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, agentenv_s
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
     snapshots_dir = agentenv_server.data_dir / "snapshots"
     assert not (snapshots_dir / snap.snapshot_id).exists()
+
+
+GROUP = 4
+
+
+def test_groups_from_one_snapshot_claim_standbys_sized_to_the_group(
+    parent: Sandbox, agentenv_server: ServerProcess
+) -> None:
+    """A trainer's step: a group created at once from one start state. The first group restores
+    and sizes the snapshot's standbys (2 by default); the next claims one for every member, each
+    with its own copy of the state."""
+    parent.files.write("/home/user/task.txt", "start")
+    snap = parent.create_snapshot()
+
+    def group() -> list[Sandbox]:
+        with ThreadPoolExecutor(GROUP) as pool:
+            return list(pool.map(lambda _: Sandbox.create(snap.snapshot_id, timeout=120), range(GROUP)))
+
+    members: list[Sandbox] = []
+    try:
+        members += group()
+        for member in members:
+            member.kill()
+        full = re.compile(rf"warm pool {snap.snapshot_id}: \S+ ready in \d+ ms \({GROUP}/{GROUP}\)")
+        deadline = time.monotonic() + 180
+        while not full.search(agentenv_server.log_tail(1 << 20)):
+            assert time.monotonic() < deadline, f"no {GROUP} standbys:\n{agentenv_server.log_tail()}"
+            time.sleep(0.2)
+        second = group()
+        members += second
+        for member in second:
+            assert "from a standby of" in sandbox_log_messages(agentenv_server, member.sandbox_id)
+            assert member.files.read("/home/user/task.txt") == "start"
+        second[0].files.write("/home/user/task.txt", "member-0")
+        assert second[1].files.read("/home/user/task.txt") == "start"
+    finally:
+        for member in members:
+            with contextlib.suppress(Exception):
+                member.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)
 
 
 def test_a_restored_sandbox_keeps_its_captured_login(parent: Sandbox) -> None:
