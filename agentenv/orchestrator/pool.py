@@ -106,7 +106,7 @@ class WarmPool:
             await self._quiet()
             started = time.monotonic()
             try:
-                instance = await self._make(key)
+                instance = await self._made(key)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -125,6 +125,22 @@ class WarmPool:
                 len(pool.ready),
                 self.high_of(key),
             )
+
+    async def _made(self, key: str) -> SandboxInstance:
+        """``make(key)``, carried to its end even when the refill is cancelled meanwhile (a
+        shut-down, a dropped key): the sandbox it was making is then killed, not left running
+        with no owner. Seen: a standby restored during a server's shut-down outlived the server
+        (a cancel in its warm-up command lost the instance)."""
+        making = asyncio.ensure_future(self._make(key))
+        try:
+            return await asyncio.shield(making)
+        except asyncio.CancelledError:
+            try:
+                instance = await making
+            except Exception:  # a make that failed has nothing to kill (it cleans up after itself)
+                raise asyncio.CancelledError from None
+            await self._kill(instance)
+            raise
 
     async def _quiet(self) -> None:
         """Until ``quiet_seconds`` have passed since the last claim (bounded)."""

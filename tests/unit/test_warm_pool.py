@@ -93,3 +93,25 @@ def test_bad_watermarks_are_refused() -> None:
 
     with pytest.raises(ValueError, match="watermarks"):
         WarmPool(3, 2, make, kill)
+
+
+async def test_a_sandbox_made_while_its_pool_closes_is_killed() -> None:
+    """A refill cancelled mid-make (shut-down) waits for the make and kills what it made: a
+    sandbox left running after the server stopped is a leak no start-up of this data dir may
+    ever clean."""
+    made = asyncio.Event()
+    killed: list[str] = []
+
+    async def slow_make(key: str) -> SandboxInstance:
+        await asyncio.sleep(0.2)
+        made.set()
+        return SandboxInstance.placeholder(f"{key}-slow", "loopback")
+
+    async def kill(instance: SandboxInstance) -> None:
+        killed.append(instance.sandbox_id)
+
+    pool = WarmPool(1, 1, slow_make, kill)
+    pool.fill("t")
+    await asyncio.sleep(0.05)  # mid-make
+    await pool.close()
+    assert made.is_set() and killed == ["t-slow"]
