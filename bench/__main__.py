@@ -122,7 +122,18 @@ def update_readme(summary: str) -> None:
         readme.write_text(pattern.sub(lambda m: m.group(1) + summary + m.group(2), text))
 
 
-BENCHMARKS = ("core", "lifecycle", "density", "runtimes", "microvm", "s3", "rl", "cluster", "fork_spill")
+BENCHMARKS = (
+    "core",
+    "lifecycle",
+    "sandbox_urls",
+    "density",
+    "runtimes",
+    "microvm",
+    "s3",
+    "rl",
+    "cluster",
+    "fork_spill",
+)
 
 
 def _optional(name: str) -> object | None:
@@ -167,6 +178,11 @@ def main() -> None:
                 from bench import lifecycle
 
                 attempt("lifecycle", lambda: lifecycle.run(server, args.runs))
+    if "sandbox_urls" in wanted:
+        from bench import sandbox_urls
+
+        # envd calls over HTTP (E2B_SANDBOX_URL) vs HTTPS sandbox URLs (the SDK's default route).
+        attempt("sandbox_urls", lambda: sandbox_urls.run(args.runs))
     if "density" in wanted:
         from bench import density
 

@@ -98,7 +98,11 @@ def sandbox_url_help(settings: Settings, files: tls.TlsFiles) -> str:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the
+    # listener's proto says TCP. Without it every HTTPS response whose body follows its headers
+    # in a second TLS record waited for the client's delayed ACK (40 ms, Nagle), as uvicorn's
+    # own listener (which names the proto) never did.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
