@@ -92,3 +92,8 @@ class SandboxPaths:
     @property
     def runsc_log(self) -> Path:
         return self.root / "runsc.log"
+
+    @property
+    def sentry_pid_file(self) -> Path:
+        """Where ``runsc run``/``restore`` write the pid of the sandbox's runsc sandbox process."""
+        return self.root / "sentry.pid"

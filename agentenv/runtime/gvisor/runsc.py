@@ -159,10 +159,15 @@ class Runsc:
 
     async def _start(self, paths: SandboxPaths, image: Path | None) -> None:
         verb = ["run"] if image is None else ["restore", "--image-path", str(image)]
+        paths.sentry_pid_file.unlink(missing_ok=True)
         cmd = self.command(
             *self.sandbox_flags(self.platform()),
             *verb,
             "--detach",
+            # The sentry's pid, so that watching the sandbox needs no `runsc state` (a CLI start,
+            # ~15-25 ms of CPU) after every start.
+            "--pid-file",
+            str(paths.sentry_pid_file),
             "--bundle",
             str(paths.bundle),
             paths.container_id,

@@ -360,11 +360,20 @@ class GvisorRuntime(Runtime):
     async def _wait_for_envd(self, paths: SandboxPaths, url: str, limit: float) -> None:
         """Return once envd answers ``GET /health``; fail early when the container died."""
         # A restored envd answers at once, a booting one in about a second: poll often at first,
-        # over a plain socket (an httpx client costs ~40 ms to make, most of a restore's wait), and
-        # ask runsc whether the container still runs (a CLI start, ~25 ms) at most every 250 ms.
-        deadline = time.monotonic() + limit
-        interval, next_status = 0.005, time.monotonic()
+        # over a plain socket (an httpx client costs ~40 ms to make, most of a restore's wait).
+        # A sentry that is gone fails it at once (its pid file, no process start); whether the
+        # container still runs is asked of runsc (a CLI start, ~25 ms) only after the first
+        # 100 ms, then at most every 250 ms: a restored envd that missed the first poll answers
+        # on the next, and that CLI start used to be on most restores' path.
+        started = time.monotonic()
+        deadline = started + limit
+        interval, next_status = 0.005, started + 0.1
         while not await envd_healthy(url):
+            if paths.sentry_pid_file.exists() and _started_sentry(paths) is None:
+                raise Failed(
+                    f"sandbox {paths.sandbox_id} stopped before envd started (its runsc sandbox "
+                    f"process is gone); envd output: {log_tail(paths.envd_log)}"
+                )
             if time.monotonic() >= next_status:
                 status = await self.runsc.status(paths.container_id)
                 if status not in ("created", "running"):
@@ -388,9 +397,10 @@ class GvisorRuntime(Runtime):
         it runs, its OOM kills stay inside it (:class:`oom.Guard`, armed at every start)."""
         paths = self.paths(instance.sandbox_id)
         oom_kills = cgroups.oom_kills(instance.sandbox_id)
-        if freezer.is_frozen(instance.sandbox_id):  # runsc state would hang on a frozen sentry
+        pid = _started_sentry(paths)
+        if pid is None and freezer.is_frozen(instance.sandbox_id):  # runsc state would hang on it
             pid = await asyncio.to_thread(watch.find_sentry, paths.container_id)
-        else:
+        elif pid is None:  # started before runsc wrote pid files for us
             pid = watch.sentry_pid(paths.container_id, await self.runsc.sandbox_pid(paths.container_id))
         if pid is None:
             if await self.is_alive(instance):
@@ -617,3 +627,9 @@ async def _both(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> None
             raise asyncio.CancelledError
         if (failure := step.exception()) is not None:
             raise failure
+
+
+def _started_sentry(paths: SandboxPaths) -> int | None:
+    """The live runsc sandbox process of ``paths``' container, by the pid file runsc wrote when
+    it started it (checked against the process's command line: a pid can be reused)."""
+    return watch.sentry_pid(paths.container_id, watch.read_pid(paths.sentry_pid_file))

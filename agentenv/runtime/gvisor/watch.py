@@ -28,6 +28,14 @@ def sentry_pid(container_id: str, pid: int | None) -> int | None:
     return pid if names_it and argv[0].startswith(b"runsc") else None
 
 
+def read_pid(path: Path) -> int | None:
+    """The pid in a pid file runsc wrote, or None (no file, not a number)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def find_sentry(container_id: str) -> int | None:
     """The pid of ``container_id``'s runsc sandbox process, found by its command line: for a
     frozen sandbox, whose ``runsc state`` would hang on the frozen sentry."""
