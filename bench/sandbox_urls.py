@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 from bench.harness import REPO, serve, stats, timed
+from bench.lifecycle import _first_command
 from tests.support import free_port
 
 DOMAIN = "agentenv.localhost"
@@ -83,18 +84,12 @@ def _client(runs: int, api_url: str) -> None:
             for route in ROUTES if n % 2 == 0 else ROUTES[::-1]:
                 sbx = sandboxes[route]
                 for _ in range(CALLS_PER_RUN):
-                    samples[route]["echo_hi"].append(timed(partial(_echo_hi, sbx)))
+                    samples[route]["echo_hi"].append(timed(partial(_first_command, sbx)))
                 for _ in range(CALLS_PER_RUN):
                     samples[route]["files_read"].append(timed(partial(sbx.files.read, SMALL_FILE)))
     finally:
         direct.kill()
     print(json.dumps(samples))
-
-
-def _echo_hi(sbx: Any) -> None:
-    out = sbx.commands.run("echo hi").stdout
-    if out.strip() != "hi":
-        raise RuntimeError(f"sandbox answered {out!r}")
 
 
 def main() -> None:
