@@ -369,7 +369,8 @@ class GvisorRuntime(Runtime):
         deadline = started + limit
         interval, next_status = 0.005, started + 0.1
         while not await envd_healthy(url):
-            if paths.sentry_pid_file.exists() and _started_sentry(paths) is None:
+            named = watch.read_pid(paths.sentry_pid_file)
+            if named is not None and watch.sentry_pid(paths.container_id, named) is None:
                 raise Failed(
                     f"sandbox {paths.sandbox_id} stopped before envd started (its runsc sandbox "
                     f"process is gone); envd output: {log_tail(paths.envd_log)}"
