@@ -1,13 +1,13 @@
-# agentenv: one image for every role (`agentenv serve`, `agentenv node serve`, `agentenv gateway`).
+# forkyard: one image for every role (`forkyard serve`, `forkyard node serve`, `forkyard gateway`).
 #
-#   docker build -t agentenv:latest .
-#   docker run --privileged -p 3000:3000 -v agentenv-data:/var/lib/agentenv agentenv:latest
+#   docker build -t forkyard:latest .
+#   docker run --privileged -p 3000:3000 -v forkyard-data:/var/lib/forkyard forkyard:latest
 #
 # Roles that run sandboxes (`serve`, `node serve`) need the container privileged (README "Cluster",
 # "What the container needs"): runsc makes mounts, namespaces and per-sandbox cgroups, the
 # network code makes veth pairs and iptables NAT, QEMU wants /dev/kvm and /dev/net/tun. The
 # gateway runs unprivileged. The `base` template is built into the data volume on first use
-# (`agentenv template build base`, debootstrap from a Debian mirror: a minute once).
+# (`forkyard template build base`, debootstrap from a Debian mirror: a minute once).
 FROM debian:12-slim
 
 # gVisor from bookworm-backports, the exact build scripts/bootstrap.sh pins (RUNSC_PIN[bookworm]):
@@ -17,11 +17,11 @@ ARG RUNSC_VERSION=0.0~20240729.0-4~bpo12+2
 
 # What scripts/bootstrap.sh installs for running (not its build- and test-only packages:
 # gcc, libc6-dev, protobuf-compiler, the tests' postgresql-15), plus Python. apt lists are dropped to keep the image small:
-# `agentenv image build` (microVM guest kernels, `apt-get download`) needs `apt-get update` first.
+# `forkyard image build` (microVM guest kernels, `apt-get download`) needs `apt-get update` first.
 RUN printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-      > /etc/apt/sources.list.d/agentenv-bookworm-backports.sources \
+      > /etc/apt/sources.list.d/forkyard-bookworm-backports.sources \
  && printf 'Package: runsc\nPin: version %s\nPin-Priority: 1001\n' "$RUNSC_VERSION" \
-      > /etc/apt/preferences.d/agentenv-runsc \
+      > /etc/apt/preferences.d/forkyard-runsc \
  && apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       "runsc=$RUNSC_VERSION" \
@@ -34,15 +34,15 @@ RUN printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-bac
 # lock pins the whole closure (deploy/docker/update-lock.sh regenerates it).
 COPY deploy/docker/requirements.lock /tmp/requirements.lock
 COPY pyproject.toml README.md /src/
-COPY agentenv /src/agentenv
-RUN python3 -m venv /opt/agentenv \
- && /opt/agentenv/bin/pip install --no-cache-dir --disable-pip-version-check -c /tmp/requirements.lock /src \
+COPY forkyard /src/forkyard
+RUN python3 -m venv /opt/forkyard \
+ && /opt/forkyard/bin/pip install --no-cache-dir --disable-pip-version-check -c /tmp/requirements.lock /src \
  && rm -rf /src /tmp/requirements.lock
-ENV PATH=/opt/agentenv/bin:$PATH \
-    AGENTENV_DATA_DIR=/var/lib/agentenv
+ENV PATH=/opt/forkyard/bin:$PATH \
+    FORKYARD_DATA_DIR=/var/lib/forkyard
 
-VOLUME /var/lib/agentenv
+VOLUME /var/lib/forkyard
 # The API and envd proxy (3000); the HTTPS listener for sandbox URLs (3443, `serve` only).
 EXPOSE 3000 3443
-ENTRYPOINT ["agentenv"]
+ENTRYPOINT ["forkyard"]
 CMD ["serve", "--host", "0.0.0.0"]

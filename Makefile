@@ -1,27 +1,27 @@
 # The two set-up commands: `make run` and `make test`. Both install whatever is missing.
 # Without root: `make test-unit` (the unit tests only; no apt, no runsc, no template).
 PY := .venv/bin/python
-AGENTENV := .venv/bin/agentenv
+FORKYARD := .venv/bin/forkyard
 
 .PHONY: run test test-unit bench bootstrap template lint proto clean
 
 # One lint recipe for `make lint` and `make test`.
 define LINT
-.venv/bin/ruff check agentenv tests bench
-.venv/bin/ruff format --check agentenv tests bench
-.venv/bin/mypy agentenv
+.venv/bin/ruff check forkyard clients tests bench
+.venv/bin/ruff format --check forkyard clients tests bench
+.venv/bin/mypy forkyard clients/rl/forkyard_rl
 .venv/bin/lint-imports --no-cache
 endef
 
 bootstrap:
 	@scripts/bootstrap.sh
 
-# The `base` template in the shared cache (/var/lib/agentenv/templates): a minute once, then instant.
+# The `base` template in the shared cache (/var/lib/forkyard/templates): a minute once, then instant.
 template: bootstrap
-	$(AGENTENV) template build base
+	$(FORKYARD) template build base
 
 run: template
-	$(AGENTENV) serve
+	$(FORKYARD) serve
 
 # The whole suite: unit and system tests (root; system tests need runsc, QEMU, the template).
 test: template
@@ -36,8 +36,8 @@ test-unit: | $(PY)
 
 $(PY):
 	python3 -m venv .venv
-	.venv/bin/pip install -q --disable-pip-version-check -e ".[test,dev]"
-	touch .venv/.agentenv-installed
+	.venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
+	touch .venv/.forkyard-installed
 
 bench: template
 	$(PY) -m bench $(BENCH_ARGS)
@@ -47,7 +47,7 @@ lint: bootstrap
 
 # Regenerate the envd protobuf messages from the shared E2B protos.
 proto: bootstrap
-	PATH=$(CURDIR)/.venv/bin:$$PATH protoc -I ../shared/e2b-spec --py_out=agentenv/envd/proto \
+	PATH=$(CURDIR)/.venv/bin:$$PATH protoc -I ../shared/e2b-spec --py_out=forkyard/envd/proto \
 	  process.proto filesystem.proto
 
 # Caches and build output of the tools (pytest, mypy, ruff, setuptools, __pycache__). Keeps the

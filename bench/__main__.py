@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="repetitions per measurement (>= 20 for p95)")
     parser.add_argument("--only", choices=BENCHMARKS, action="append")
     args = parser.parse_args()
-    templates = Path(os.environ.get("AGENTENV_TEMPLATES_PATH", "/var/lib/agentenv/templates"))
+    templates = Path(os.environ.get("FORKYARD_TEMPLATES_PATH", "/var/lib/forkyard/templates"))
     wanted = set(args.only or BENCHMARKS)
     results: dict[str, dict[str, object]] = {}
     failed: list[str] = []

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 from e2b import Sandbox
 
-from agentenv.api import nodeauth
 from bench.harness import stats, write_result
+from forkyard.api import nodeauth
 from tests.support.cluster import API_KEY, SECRET, run_cluster
 from tests.support.postgres import postgres_cluster
 from tests.support.s3 import s3_server

@@ -28,7 +28,7 @@ ONE_MIB = os.urandom(1 << 20)
 def runsc_cold_baseline(rootfs: Path, runs: int) -> list[float]:
     """Seconds for `runsc run` of /bin/true on a read-only rootfs, no network."""
     samples: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="agentenv-bench-runsc-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="forkyard-bench-runsc-") as tmp:
         bundle = Path(tmp)
         subprocess.run(["runsc", "spec", "--bundle", str(bundle), "--", "/bin/true"], check=True)
         spec = json.loads((bundle / "config.json").read_text())

@@ -3,7 +3,7 @@ an on-disk (paused) sandbox takes.
 
     .venv/bin/python -m bench --only density --runs 20     # or: python -m bench.density 20
 
-One server of its own with ``AGENTENV_PAUSE_DISK_AFTER_SECONDS`` short (:data:`DISK_AFTER`), so
+One server of its own with ``FORKYARD_PAUSE_DISK_AFTER_SECONDS`` short (:data:`DISK_AFTER`), so
 the real tiering path is measured: ``min(runs, MAX_SANDBOXES)`` idle sandboxes are created from the
 template (one command each, then left alone) and measured; all are paused (frozen in place) and
 measured again at once; then the server moves them to disk by itself and they are measured a
@@ -11,7 +11,7 @@ third time. Per sandbox and state:
 
 * **PSS** (the figure density is judged on): the sum of ``Pss`` in ``/proc/<pid>/smaps_rollup``
   over the sandbox's host processes: every process in its memory cgroup
-  (``/sys/fs/cgroup/memory/agentenv/<id>``: runsc-gofer, runsc-sandbox (the sentry, where envd
+  (``/sys/fs/cgroup/memory/forkyard/<id>``: runsc-gofer, runsc-sandbox (the sentry, where envd
   and the sandbox's processes live) and the ptrace stubs), every process whose command line names
   the sandbox id, and their children. Pages shared between sandboxes (the runsc binary) are split
   between them, so PSS adds up to what the node spends.
@@ -47,7 +47,7 @@ DISK_AFTER = 10
 #: Idle time before the running measurement (the first command's buffers settle).
 IDLE_SECONDS = 3.0
 TIER_WAIT_SECONDS = 300.0
-MEMORY_CGROUP = Path("/sys/fs/cgroup/memory/agentenv")
+MEMORY_CGROUP = Path("/sys/fs/cgroup/memory/forkyard")
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -206,7 +206,7 @@ def run(runs: int) -> dict[str, Any]:
     from e2b import Sandbox
 
     count = max(MIN_SANDBOXES, min(runs, MAX_SANDBOXES))
-    env = {"AGENTENV_PAUSE_DISK_AFTER_SECONDS": str(DISK_AFTER)}
+    env = {"FORKYARD_PAUSE_DISK_AFTER_SECONDS": str(DISK_AFTER)}
     errors: list[str] = []
     with serve(extra_env=env) as server:
         pools = Pools(server, env)
@@ -279,7 +279,7 @@ def run(runs: int) -> dict[str, Any]:
         "sum over the sandbox's host processes (memory cgroup, command lines naming its id, "
         "children); cgroup: memory.usage_in_bytes; on disk: the pause snapshot's allocated bytes "
         f"(memory image). Frozen -> disk by the server itself after {DISK_AFTER} s "
-        "(AGENTENV_PAUSE_DISK_AFTER_SECONDS); move_to_disk: the server's own timing of each move. "
+        "(FORKYARD_PAUSE_DISK_AFTER_SECONDS); move_to_disk: the server's own timing of each move. "
         "cgroup on disk: what stays charged to the sandbox's (empty) memory cgroup, page cache of "
         "the files it wrote (reclaimable; the cgroup goes with the kill).",
     }

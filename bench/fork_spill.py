@@ -68,7 +68,7 @@ def _fork_one(cluster: Cluster, parent: Sandbox, expect_on: str) -> tuple[float,
 
 
 def run(runs: int) -> dict[str, object]:
-    node_env = {"node-a": {"AGENTENV_MAX_SANDBOXES": "2"}}
+    node_env = {"node-a": {"FORKYARD_MAX_SANDBOXES": "2"}}
     with (
         postgres_cluster() as pg,
         s3_server() as s3,

@@ -45,13 +45,13 @@ def timed(fn: Callable[[], object]) -> float:
 
 @contextlib.contextmanager
 def serve(runtime: str = "auto", extra_env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """A real `agentenv serve` with production settings (no test defaults: warm pools on) on a
+    """A real `forkyard serve` with production settings (no test defaults: warm pools on) on a
     free port, a throw-away data dir and the shared template cache; afterwards every sandbox is
     killed, the server stopped and the data dir removed (tests/support/server.py, which the system
     tests use too). Its log: ``server.log_path``. The HTTPS listener for sandbox URLs is off (it
     binds one fixed port, and benches run servers side by side; nothing measured goes through it)."""
     with server_process(
-        prefix="agentenv-bench-", runtime=runtime, extra_env=extra_env, defaults={"AGENTENV_TLS_PORT": "0"}
+        prefix="forkyard-bench-", runtime=runtime, extra_env=extra_env, defaults={"FORKYARD_TLS_PORT": "0"}
     ) as server:
         yield server
 

@@ -6,12 +6,12 @@ run, and a target row per operation (met or not, judged on the p50).
 
 Three servers, one after the other:
 
-* **cold** (``AGENTENV_TEMPLATE_SNAPSHOTS=false``): cold create -> first command, a real boot of
+* **cold** (``FORKYARD_TEMPLATE_SNAPSHOTS=false``): cold create -> first command, a real boot of
   the template. The baseline of the create and restore rows.
-* **disk** (``AGENTENV_PAUSE_FREEZE=false``, ``AGENTENV_SNAPSHOT_STANDBYS=0``): every pause is a
+* **disk** (``FORKYARD_PAUSE_FREEZE=false``, ``FORKYARD_SNAPSHOT_STANDBYS=0``): every pause is a
   checkpoint to disk at once and every create from a snapshot a restore. Gives pause to disk,
   resume from disk -> first command and create from a snapshot (restore) -> first command. A
-  frozen sandbox moved to disk later (``AGENTENV_PAUSE_DISK_AFTER_SECONDS``) is the same
+  frozen sandbox moved to disk later (``FORKYARD_PAUSE_DISK_AFTER_SECONDS``) is the same
   checkpoint and the same resume; this server measures it without waiting for the tier.
 * **main** (the server ``python -m bench`` runs, production settings: warm pool, standbys, the
   frozen tier with its 120 s disk-after): create from the template (a warm-pool claim), create
@@ -21,7 +21,7 @@ Three servers, one after the other:
   64 forks answering, kill.
 
 Every sandbox's origin (``warm_pool``, ``standby``, ``snapshot``...) and every pause's tier
-(``frozen``, ``disk``) is read from the server's registry (``<data_dir>/agentenv.sqlite3``): a
+(``frozen``, ``disk``) is read from the server's registry (``<data_dir>/forkyard.sqlite3``): a
 sample lands in a row only when the server really took that path (the others are counted in
 ``paths_seen``). Before each timed operation the bench waits until no warm pool or standby pool
 is refilling (a restore in the background would share the two cores with the measurement) and
@@ -60,7 +60,7 @@ ONE_HUNDRED_MIB = 100 << 20
 #: ``echo hi`` / ``GET /health`` pairs per run.
 ROUND_TRIPS_PER_RUN = 5
 STATE_PROCESS = "nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &"
-#: Creates from one snapshot before it gets standbys (agentenv.orchestrator.standbys).
+#: Creates from one snapshot before it gets standbys (forkyard.orchestrator.standbys).
 RESTORES_BEFORE_STANDBYS = 2
 POOL_WAIT_SECONDS = 60.0
 #: After the pools settle, wait (at most this long) until the machine is quiet: a sandbox just
@@ -73,8 +73,8 @@ QUIET_WINDOW_SECONDS = 0.1
 START_WAIT_SECONDS = 180.0
 REQUEST_TIMEOUT = 600.0
 
-COLD_ENV = {"AGENTENV_TEMPLATE_SNAPSHOTS": "false"}
-DISK_ENV = {"AGENTENV_PAUSE_FREEZE": "false", "AGENTENV_SNAPSHOT_STANDBYS": "0"}
+COLD_ENV = {"FORKYARD_TEMPLATE_SNAPSHOTS": "false"}
+DISK_ENV = {"FORKYARD_PAUSE_FREEZE": "false", "FORKYARD_SNAPSHOT_STANDBYS": "0"}
 
 
 @dataclass(frozen=True)
@@ -160,10 +160,10 @@ TARGETS = (
 
 
 class Registry:
-    """Read-only queries on a server's ``agentenv.sqlite3`` (short connections; WAL mode)."""
+    """Read-only queries on a server's ``forkyard.sqlite3`` (short connections; WAL mode)."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / "agentenv.sqlite3"
+        self.path = data_dir / "forkyard.sqlite3"
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -219,8 +219,8 @@ class Pools:
         env = env or {}
         self.server = server
         self.registry = Registry(server.data_dir)
-        self.template_high = _env_int("AGENTENV_WARM_POOL_HIGH", 2, env)
-        self.standby_high = _env_int("AGENTENV_SNAPSHOT_STANDBYS", 2, env)
+        self.template_high = _env_int("FORKYARD_WARM_POOL_HIGH", 2, env)
+        self.standby_high = _env_int("FORKYARD_SNAPSHOT_STANDBYS", 2, env)
         self._pending: dict[str, int] = {}  # pool key -> announced sandboxes to wait for
         self._restores: Counter[str] = Counter()
         self.errors: list[str] = []
@@ -423,7 +423,7 @@ def describe_runtime(sandbox_id: str) -> str:
 
 
 def _fork_runs(runs: int) -> int:
-    return max(1, min(runs, int(os.environ.get("AGENTENV_BENCH_FORK_RUNS", FORK_RUNS_DEFAULT))))
+    return max(1, min(runs, int(os.environ.get("FORKYARD_BENCH_FORK_RUNS", FORK_RUNS_DEFAULT))))
 
 
 # -- the servers -----------------------------------------------------------------------------
@@ -805,12 +805,12 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
         "paths_seen": dict(sorted(seen.items())),
         "errors": disk_errors + main["errors"],
         "notes": "Servers: cold = template "
-        "snapshots off (a boot); disk = AGENTENV_PAUSE_FREEZE=false and standbys off (every pause "
+        "snapshots off (a boot); disk = FORKYARD_PAUSE_FREEZE=false and standbys off (every pause "
         "a checkpoint, every snapshot create a restore); main = production settings (warm pool, "
         "standbys, frozen tier). A sample counts in a row only when the registry shows that path "
         "(origin, pause tier: paths_seen). Unavailable = snapshot request start -> request end -> "
         "first command answers; prober gap = longest time without an answer of a concurrent "
-        "command loop (>= one round trip). Fork and group rows: AGENTENV_BENCH_FORK_RUNS (default 3) "
+        "command loop (>= one round trip). Fork and group rows: FORKYARD_BENCH_FORK_RUNS (default 3) "
         "runs, a group counted only when all 16 claimed standbys (an untimed first group sizes them); "
         f"{MANY_FORKS} forks once, through POST /sandboxes/{{id}}/fork (the SDK allows 20).",
     }

@@ -8,9 +8,9 @@ by a guest process with non-zero data, snapshotted (the VM keeps running) and re
 times (each restore killed again):
 
 * ``stream``: anonymous RAM migrated to a file and read back (the path before issue 12,
-  ``AGENTENV_QEMU__MEMORY=stream``);
+  ``FORKYARD_QEMU__MEMORY=stream``);
 * ``file``: RAM in a reflink-pool file, snapshot = reflink clone + device state, restore maps a
-  clone; ``file_spare``: the same with a pre-started QEMU (``AGENTENV_QEMU__PRESPAWN``).
+  clone; ``file_spare``: the same with a pre-started QEMU (``FORKYARD_QEMU__PRESPAWN``).
 
 ``restore_*`` is the runtime's restore until envd answers, ``first_command_*`` adds the first
 command through envd; ``phases`` are medians of the runtime's phase profile. ``fork4`` is one
@@ -33,19 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentenv.config import QemuSettings, Settings
-from agentenv.runtime.qemu.runtime import QemuRuntime
-from agentenv.runtime.qemu.spares import Shape
-from agentenv.storage.reflink import ReflinkPool, disk_usage_bytes
-from agentenv.storage.templates import load_template
-from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from bench.harness import stats
+from forkyard.config import QemuSettings, Settings
+from forkyard.runtime.qemu.runtime import QemuRuntime
+from forkyard.runtime.qemu.spares import Shape
+from forkyard.storage.reflink import ReflinkPool, disk_usage_bytes
+from forkyard.storage.templates import load_template
+from forkyard.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 
 SIZES_MB = (256, 1024, 2048)
 MAX_RESTORES = 5
 FORK_COUNT = 4
 PHASE_LINE = re.compile(r"qemu (\S+): (\w+) in (\d+) ms \(([^)]*)\)")
-TEMPLATES = Path("/var/lib/agentenv/templates")
+TEMPLATES = Path("/var/lib/forkyard/templates")
 
 
 class PhaseLog(logging.Handler):
@@ -101,7 +101,7 @@ class Bench:
         self.data = data
         self.restores = max(1, min(runs, MAX_RESTORES))
         self.log = PhaseLog()
-        for name in ("agentenv.runtime.microvm.runtime", "agentenv.runtime.qemu.runtime"):
+        for name in ("forkyard.runtime.microvm.runtime", "forkyard.runtime.qemu.runtime"):
             logging.getLogger(name).addHandler(self.log)
             logging.getLogger(name).setLevel(logging.INFO)
         self._n = 0
@@ -207,7 +207,7 @@ class Bench:
 
 
 def run(runs: int) -> dict[str, Any]:
-    data = Path(tempfile.mkdtemp(prefix="agentenv-bench-microvm-", dir="/var/tmp"))
+    data = Path(tempfile.mkdtemp(prefix="forkyard-bench-microvm-", dir="/var/tmp"))
     bench = Bench(data, runs)
     base = load_template("base", Settings(data_dir=data, templates_path=TEMPLATES))
     result: dict[str, Any] = {"restores_per_size": bench.restores, "accel": bench.runtime("file", 0).accel}

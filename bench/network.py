@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agentenv.config import Settings
-from agentenv.runtime import network
 from bench.harness import stats, write_result
+from forkyard.config import Settings
+from forkyard.runtime import network
 
 SUBNET = "10.214.240.0/20"
 T = TypeVar("T")

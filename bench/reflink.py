@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentenv.storage.reflink import ReflinkPool, clone_file, disk_usage_bytes
 from bench.harness import stats, write_result
+from forkyard.storage.reflink import ReflinkPool, clone_file, disk_usage_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20

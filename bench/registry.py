@@ -23,11 +23,11 @@ import time
 import uuid
 from pathlib import Path
 
-from agentenv.config import Settings
-from agentenv.orchestrator.lifecycle import CreateRequest, build_orchestrator
-from agentenv.orchestrator.store import SandboxRecord, SandboxStore
-from agentenv.types import SandboxState
 from bench.harness import stats, write_result
+from forkyard.config import Settings
+from forkyard.orchestrator.lifecycle import CreateRequest, build_orchestrator
+from forkyard.orchestrator.store import SandboxRecord, SandboxStore
+from forkyard.types import SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
 

@@ -1,5 +1,5 @@
 """RL rollouts (issue 13): N one-step rollouts via fork from a prepared state vs N fresh creates
-that each redo the preparation, through agentenv.rl and the official SDK, on a real server with
+that each redo the preparation, through forkyard_rl and the official SDK, on a real server with
 production settings (warm pool on).
 
 * fork: one sandbox of ``base`` is prepared once (:data:`PREPARE`); then N children are forked
@@ -10,7 +10,7 @@ production settings (warm pool on).
   preparation and the step. Per rollout: create + preparation + step.
 
 Total wall: the first request to the last step's answer (the fork side includes the one
-preparation and the root's create). ``AGENTENV_BENCH_RL_COUNT`` (default 64) sets N.
+preparation and the root's create). ``FORKYARD_BENCH_RL_COUNT`` (default 64) sets N.
 
     .venv/bin/python -m bench --only rl
 """
@@ -23,10 +23,10 @@ import time
 from functools import partial
 from typing import Any
 
-from agentenv.rl import Connection, ForkTree, RunResult, run_action
-from agentenv.rl.actions import bounded
-from agentenv.rl.group import kill_quietly
 from bench.harness import ServerProcess, serve, stats
+from forkyard_rl import Connection, ForkTree, RunResult, run_action
+from forkyard_rl.actions import bounded
+from forkyard_rl.group import kill_quietly
 
 #: The prepared state: data on disk, a byte-compiled module, and a process in memory (~1-2 s
 #: inside a sandbox here), the kind of set-up a task repeats per episode without forks.
@@ -47,7 +47,7 @@ LIFETIME = 900
 
 
 def _count() -> int:
-    return max(1, int(os.environ.get("AGENTENV_BENCH_RL_COUNT", "64")))
+    return max(1, int(os.environ.get("FORKYARD_BENCH_RL_COUNT", "64")))
 
 
 def _check(result: RunResult, what: str) -> RunResult:
@@ -121,7 +121,7 @@ def measure(server: ServerProcess, n: int) -> dict[str, Any]:
 
 
 def run(runs: int = 0) -> dict[str, Any]:
-    """``runs`` is not used: N is ``AGENTENV_BENCH_RL_COUNT`` (one rollout each)."""
+    """``runs`` is not used: N is ``FORKYARD_BENCH_RL_COUNT`` (one rollout each)."""
     n = _count()
     with serve() as server:
         result = measure(server, n)

@@ -1,5 +1,5 @@
 """Runtimes side by side: gVisor and QEMU (TCG here) on the same lifecycle operations, each
-through its own real ``agentenv serve`` and the official e2b SDK.
+through its own real ``forkyard serve`` and the official e2b SDK.
 
     .venv/bin/python -m bench --only runtimes --runs 20
 
@@ -15,7 +15,7 @@ is a boot on both runtimes and every other figure is a snapshot operation of the
 QEMU under TCG boots a kernel and a python envd on an emulated CPU (20 s to minutes on this
 2-core host), so it runs ``min(runs, QEMU_COLD_RUNS)`` cold creates and ``min(runs, QEMU_ROUNDS)``
 rounds; the counts are in the result. The QEMU server logs the phases of every boot, pause,
-snapshot, resume and restore (``agentenv.runtime.qemu``): ``qemu_<operation>_p50_ms`` are their
+snapshot, resume and restore (``forkyard.runtime.qemu``): ``qemu_<operation>_p50_ms`` are their
 medians, ``qemu_phases`` the full statistics.
 
 Also refreshes ``bench/results/reflink.json`` (reflink disk layers, :mod:`bench.reflink`).
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentenv.storage.reflink import ReflinkPool
 from bench import reflink
 from bench.harness import serve, stats, write_result
+from forkyard.storage.reflink import ReflinkPool
 
 RUNTIMES = ("gvisor", "qemu")
 QEMU_COLD_RUNS = 3
@@ -48,7 +48,7 @@ OPERATIONS = (
     "kill",
 )
 #: Same settings for both servers (see the module docstring).
-SERVER_ENV = {"AGENTENV_TEMPLATE_SNAPSHOTS": "0", "AGENTENV_WARM_POOL_HIGH": "0"}
+SERVER_ENV = {"FORKYARD_TEMPLATE_SNAPSHOTS": "0", "FORKYARD_WARM_POOL_HIGH": "0"}
 #: Generous: a TCG guest answers slowly, and the bench must not fail on a loaded host.
 REQUEST_TIMEOUT = 900.0
 STATE_PROCESS = "nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &"

@@ -3,9 +3,9 @@ fetch it from S3 (p50/p95), and the upload time per snapshot.
 
     .venv/bin/python -m bench.s3 [--runs 20]        (or: python -m bench --only s3)
 
-Two real ``agentenv serve`` processes share one bucket of moto's S3 server (a process started
+Two real ``forkyard serve`` processes share one bucket of moto's S3 server (a process started
 here; tests/support/s3.py): node *a* takes the snapshots (its copies stay cached), node *b* has
-its own data dir and ``AGENTENV_S3__CACHE_MAX_MIB=1``, so every create there fetches the
+its own data dir and ``FORKYARD_S3__CACHE_MAX_MIB=1``, so every create there fetches the
 snapshot (memory image and disk layers) from S3 and evicts it after the restore. Standbys are off
 on both: every create is a restore. A fetched sample counts only when *b* listed the snapshot as
 not cached right before it. Writes bench/results/s3.json.
@@ -26,8 +26,8 @@ from tests.support.s3 import s3_server
 from tests.support.server import ServerProcess, serve
 
 COMMON = {
-    "AGENTENV_SNAPSHOT_STANDBYS": "0",
-    "AGENTENV_WARM_POOL_HIGH": "0",
+    "FORKYARD_SNAPSHOT_STANDBYS": "0",
+    "FORKYARD_WARM_POOL_HIGH": "0",
 }
 
 
@@ -80,15 +80,15 @@ def run(runs: int, chunk_mib: int = 8) -> dict[str, object]:
     with s3_server() as s3:
         bucket = s3.new_bucket()
         # Templates are shared by path here (one machine): only snapshots travel through S3.
-        env = {**COMMON, **s3.agentenv_env(bucket, upload_templates="false", chunk_mib=str(chunk_mib))}
+        env = {**COMMON, **s3.forkyard_env(bucket, upload_templates="false", chunk_mib=str(chunk_mib))}
         with (
-            serve(prefix="ae-bs3a-", extra_env={**env, "AGENTENV_SANDBOX_SUBNET": "10.216.0.0/20"}) as a,
+            serve(prefix="ae-bs3a-", extra_env={**env, "FORKYARD_SANDBOX_SUBNET": "10.216.0.0/20"}) as a,
             serve(
                 prefix="ae-bs3b-",
                 extra_env={
                     **env,
-                    "AGENTENV_SANDBOX_SUBNET": "10.216.16.0/20",
-                    "AGENTENV_S3__CACHE_MAX_MIB": "1",
+                    "FORKYARD_SANDBOX_SUBNET": "10.216.16.0/20",
+                    "FORKYARD_S3__CACHE_MAX_MIB": "1",
                 },
             ) as b,
         ):
@@ -132,7 +132,7 @@ def run(runs: int, chunk_mib: int = 8) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.s3")
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--chunk-mib", type=int, default=8, help="AGENTENV_S3__CHUNK_MIB of both servers")
+    parser.add_argument("--chunk-mib", type=int, default=8, help="FORKYARD_S3__CHUNK_MIB of both servers")
     parser.add_argument("--result", default="s3", help="name of the result file under bench/results/")
     args = parser.parse_args()
     print(write_result(args.result, run(args.runs, args.chunk_mib)))

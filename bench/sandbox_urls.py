@@ -24,7 +24,7 @@ from bench.harness import REPO, serve, stats, timed
 from bench.lifecycle import _first_command
 from tests.support import free_port
 
-DOMAIN = "agentenv.localhost"
+DOMAIN = "forkyard.localhost"
 ROUTES = ("http_sandbox_url", "https_sandbox_domain")
 CALLS = ("echo_hi", "files_read")
 CALLS_PER_RUN = 5
@@ -33,7 +33,7 @@ SMALL_FILE = "/tmp/bench-sandbox-urls"
 
 def run(runs: int) -> dict[str, Any]:
     tls_port = free_port()
-    env = {"AGENTENV_TLS_PORT": str(tls_port), "AGENTENV_SANDBOX_DOMAIN": DOMAIN}
+    env = {"FORKYARD_TLS_PORT": str(tls_port), "FORKYARD_SANDBOX_DOMAIN": DOMAIN}
     with serve(extra_env=env) as server:
         child_env = {k: v for k, v in os.environ.items() if k not in ("E2B_SANDBOX_URL", "E2B_DEBUG")}
         child_env |= {
@@ -59,7 +59,7 @@ def run(runs: int) -> dict[str, Any]:
     }
     result["notes"] = (
         "One sandbox, both routes taking turns (5 calls back to back each); https_sandbox_domain = "
-        "the SDK without E2B_SANDBOX_URL (TLS listener, *.agentenv.localhost), baseline "
+        "the SDK without E2B_SANDBOX_URL (TLS listener, *.forkyard.localhost), baseline "
         "http_sandbox_url."
     )
     return result

@@ -8,7 +8,7 @@ when it passes), computes the group's advantages and kills the forks. The policy
 trainer would put its sampled completions there. All four prompts run concurrently.
 
     export E2B_API_URL=http://127.0.0.1:3000 E2B_SANDBOX_URL=http://127.0.0.1:3000
-    export E2B_API_KEY=$(cat /var/lib/agentenv/api-key)
+    export E2B_API_KEY=$(cat /var/lib/forkyard/api-key)
     python examples/grpo.py --out /tmp/grpo.jsonl
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from e2b import AsyncSandbox
 
-from agentenv.rl import ForkTree, RunResult, grpo_step, run_action
+from forkyard_rl import ForkTree, RunResult, grpo_step, run_action
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs everything agentenv needs on a fresh Debian 12 machine. Idempotent: a second run
+# Installs everything forkyard needs on a fresh Debian 12 machine. Idempotent: a second run
 # only checks. Usage: scripts/bootstrap.sh [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,12 +15,12 @@ apt_update() { ((apt_updated)) || $SUDO apt-get update -qq; apt_updated=1; }
 
 # gVisor from Debian, one exact build: gVisor is sensitive to the Go runtime it was built with (sid's
 # build of the same release panics at start) and the runtime relies on this release's flags
-# (agentenv/runtime/gvisor/runsc.py, MIN_RELEASE). Debian 12 has it in bookworm-backports; a pin
+# (forkyard/runtime/gvisor/runsc.py, MIN_RELEASE). Debian 12 has it in bookworm-backports; a pin
 # keeps `apt-get upgrade` on it. Upgrades (or downgrades) whatever runsc is installed.
 declare -A RUNSC_PIN=([bookworm]="0.0~20240729.0-4~bpo12+2" [trixie]="0.0~20240729.0-4+b7")
 declare -A RUNSC_SUITE=([bookworm]="bookworm-backports" [trixie]="trixie")
 install_runsc() {
-  local codename version suite pin=/etc/apt/preferences.d/agentenv-runsc pin_text
+  local codename version suite pin=/etc/apt/preferences.d/forkyard-runsc pin_text
   codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
   version=${RUNSC_PIN[$codename]:-} suite=${RUNSC_SUITE[$codename]:-}
   [[ -n $version ]] || die "no pinned runsc for Debian '${codename:-unknown}' (pins for: ${!RUNSC_PIN[*]})"
@@ -28,7 +28,7 @@ install_runsc() {
     echo "bootstrap: adding the $suite apt source"
     printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: %s\nComponents: main\nSigned-By: %s\n' \
       "$suite" /usr/share/keyrings/debian-archive-keyring.gpg |
-      $SUDO tee "/etc/apt/sources.list.d/agentenv-$suite.sources" >/dev/null
+      $SUDO tee "/etc/apt/sources.list.d/forkyard-$suite.sources" >/dev/null
   fi
   pin_text=$(printf 'Package: runsc\nPin: version %s\nPin-Priority: 1001' "$version")
   [[ "$(cat "$pin" 2>/dev/null)" == "$pin_text" ]] || echo "$pin_text" | $SUDO tee "$pin" >/dev/null
@@ -67,10 +67,10 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "bootstrap: creating .venv"
   "$PY" -m venv .venv
 fi
-stamp=.venv/.agentenv-installed
-if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+stamp=.venv/.forkyard-installed
+if [[ ! -f $stamp || pyproject.toml -nt $stamp || clients/rl/pyproject.toml -nt $stamp ]]; then
   echo "bootstrap: installing Python packages"
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,dev]"
+  .venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
   touch "$stamp"
 fi
 if [[ "${1:-}" == "--test" && ! -d tests/js/node_modules/e2b ]]; then

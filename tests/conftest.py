@@ -4,12 +4,12 @@
   runtime: ``make test-unit`` (about a minute, any user).
 * tests/system/ - real sandboxes, servers and host resources (root, runsc, QEMU, the base
   template): part of ``make test``; run them one at a time per host
-  (``flock /tmp/agentenv-systest.lock ...``).
+  (``flock /tmp/forkyard-systest.lock ...``).
 * tests/support/ - helpers and fixtures (see tests/support/__init__.py).
 
 Markers (pyproject.toml): ``requires_root("why")`` skips, printing why, unless run as root;
 ``kvm`` skips, printing why, unless /dev/kvm can boot guests (vmx/svm, or PVM when
-``AGENTENV_FIRECRACKER__PVM`` is set). Skips are listed with ``-rs``.
+``FORKYARD_FIRECRACKER__PVM`` is set). Skips are listed with ``-rs``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ pytest_plugins = ["tests.support.fixtures", "tests.support.postgres"]
 
 
 def _pvm_requested() -> bool:
-    """Firecracker is set to PVM mode (``AGENTENV_FIRECRACKER__PVM``): then PVM guests count."""
+    """Firecracker is set to PVM mode (``FORKYARD_FIRECRACKER__PVM``): then PVM guests count."""
     try:
-        from agentenv.config import Settings
+        from forkyard.config import Settings
 
         return bool(Settings().firecracker.pvm)
     except Exception:  # config in the middle of a change: assume the default
@@ -38,7 +38,7 @@ def _pvm_requested() -> bool:
 def kvm_missing() -> str | None:
     """Why hardware-virtualised guests cannot run here (None when they can)."""
     try:
-        from agentenv.runtime.kvm import kvm_unusable_reason
+        from forkyard.runtime.kvm import kvm_unusable_reason
     except ImportError as exc:
         return f"cannot check KVM: {exc}"
     return kvm_unusable_reason(pvm=_pvm_requested())

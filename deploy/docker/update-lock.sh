@@ -13,7 +13,7 @@ trap 'rm -f "$report"' EXIT
 import json, sys
 report = json.load(open(sys.argv[1]))
 pins = sorted(((i["metadata"]["name"], i["metadata"]["version"]) for i in report["install"]), key=lambda p: p[0].lower())
-print("\n".join(f"{name}=={version}" for name, version in pins if name != "agentenv"))
+print("\n".join(f"{name}=={version}" for name, version in pins if name != "forkyard"))
 PY
 } > deploy/docker/requirements.lock
 echo "deploy/docker/requirements.lock: $(grep -vc '^#' deploy/docker/requirements.lock) pins"

@@ -2,7 +2,7 @@
 
 * this module - where things are (:data:`REPO`, :data:`TESTS`, :data:`SHARED_TEMPLATES`), free
   loopback ports, collision-free sandbox ids, "is the base template built?".
-* :mod:`tests.support.server` - a real ``agentenv serve`` subprocess with a throw-away data dir
+* :mod:`tests.support.server` - a real ``forkyard serve`` subprocess with a throw-away data dir
   (the system tests and the benchmarks start their servers with it).
 * :mod:`tests.support.leaks` - probes for what a sandbox leaves on the host (network namespaces,
   veths, mounts, runsc/QEMU/Firecracker processes).
@@ -13,8 +13,8 @@
 * :mod:`tests.support.fixtures` - the shared pytest fixtures (loaded by tests/conftest.py through
   ``pytest_plugins``; never import fixtures by hand).
 
-Nothing here imports pytest or agentenv at import time, except :mod:`tests.support.fixtures`
-(pytest) and :mod:`tests.support.loopback` (agentenv's Runtime base class).
+Nothing here imports pytest or forkyard at import time, except :mod:`tests.support.fixtures`
+(pytest) and :mod:`tests.support.loopback` (forkyard's Runtime base class).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 #: The template cache the tests and benchmarks read (building ``base`` once takes about a minute).
-SHARED_TEMPLATES = Path(os.environ.get("AGENTENV_TEMPLATES_PATH", "/var/lib/agentenv/templates"))
+SHARED_TEMPLATES = Path(os.environ.get("FORKYARD_TEMPLATES_PATH", "/var/lib/forkyard/templates"))
 
 
 def free_port() -> int:
@@ -45,5 +45,5 @@ def unique_id(prefix: str = "t") -> str:
 def base_template_missing() -> str | None:
     """Why the shared ``base`` template cannot be used, or None when it is built."""
     if not (SHARED_TEMPLATES / "base" / ".complete").is_file():
-        return f"the base template is not built in {SHARED_TEMPLATES} (run: agentenv template build base)"
+        return f"the base template is not built in {SHARED_TEMPLATES} (run: forkyard template build base)"
     return None

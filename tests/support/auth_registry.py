@@ -35,7 +35,7 @@ with warnings.catch_warnings():  # deprecated in 3.11, gone in 3.13: the test's 
 
 PASSWORD = "s3cret-registry-password"
 #: Short: Go's bcrypt refuses passwords over 72 bytes (real GCP registries do not use bcrypt).
-SERVICE_ACCOUNT = {"type": "service_account", "project_id": "agentenv"}
+SERVICE_ACCOUNT = {"type": "service_account", "project_id": "forkyard"}
 #: What moto's ECR GetAuthorizationToken returns: base64("AWS:<account>-auth-token").
 ECR_USER, ECR_TOKEN = "AWS", "123456789012-auth-token"
 HELLO = "from a private registry\n"
@@ -57,14 +57,14 @@ def auth_registry() -> Iterator[AuthRegistry]:
     for tool in ("docker-registry", "umoci", "skopeo", "busybox"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} is not installed (scripts/bootstrap.sh --test installs it)")
-    work = Path(tempfile.mkdtemp(prefix="agentenv-authreg-"))
+    work = Path(tempfile.mkdtemp(prefix="forkyard-authreg-"))
     users = {"alice": PASSWORD, "_json_key": json.dumps(SERVICE_ACCOUNT), ECR_USER: ECR_TOKEN}
     (work / "htpasswd").write_text("".join(f"{u}:{_bcrypt(p)}\n" for u, p in users.items()))
     port = free_port()
     (work / "config.yml").write_text(
         "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
         f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
-        f"auth:\n  htpasswd:\n    realm: agentenv-test\n    path: {work / 'htpasswd'}\n"
+        f"auth:\n  htpasswd:\n    realm: forkyard-test\n    path: {work / 'htpasswd'}\n"
     )
     log = open(work / "registry.log", "wb")
     proc = subprocess.Popen(

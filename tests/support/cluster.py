@@ -1,5 +1,5 @@
-"""A cluster on this machine for the cluster tests and benchmarks: one ``agentenv gateway`` and two
-``agentenv node serve`` processes (own data dirs, subnets, ports) on one registry database and one
+"""A cluster on this machine for the cluster tests and benchmarks: one ``forkyard gateway`` and two
+``forkyard node serve`` processes (own data dirs, subnets, ports) on one registry database and one
 S3 bucket (docs/CLUSTER.md).
 
     with postgres_cluster() as pg, s3_server() as s3, run_cluster(pg.new_database(), s3) as cluster:
@@ -121,20 +121,20 @@ def _env(
     return {
         **os.environ,
         **defaults,
-        "AGENTENV_DATA_DIR": str(data_dir),
-        "AGENTENV_TEMPLATES_PATH": str(SHARED_TEMPLATES),
-        "AGENTENV_DATABASE_URL": database_url,
-        "AGENTENV_NODE_SECRETS": json.dumps([SECRET]),
-        "AGENTENV_API_KEYS": json.dumps([API_KEY]),
-        "AGENTENV_NODE_HEARTBEAT_SECONDS": str(HEARTBEAT_S),
-        "AGENTENV_NODE_LOST_AFTER_SECONDS": str(LOST_AFTER_S),
-        "AGENTENV_SNAPSHOT_STANDBYS": "0",
+        "FORKYARD_DATA_DIR": str(data_dir),
+        "FORKYARD_TEMPLATES_PATH": str(SHARED_TEMPLATES),
+        "FORKYARD_DATABASE_URL": database_url,
+        "FORKYARD_NODE_SECRETS": json.dumps([SECRET]),
+        "FORKYARD_API_KEYS": json.dumps([API_KEY]),
+        "FORKYARD_NODE_HEARTBEAT_SECONDS": str(HEARTBEAT_S),
+        "FORKYARD_NODE_LOST_AFTER_SECONDS": str(LOST_AFTER_S),
+        "FORKYARD_SNAPSHOT_STANDBYS": "0",
         **extra,
     }
 
 
 def gateway_proc(database_url: str, port: int, data_dir: Path) -> Proc:
-    argv = [sys.executable, "-m", "agentenv.cli.main", "gateway"]
+    argv = [sys.executable, "-m", "forkyard.cli.main", "gateway"]
     return Proc("gateway", argv, _env(data_dir, database_url, {}), port, data_dir / f"gateway-{port}.log")
 
 
@@ -147,12 +147,12 @@ def run_cluster(
     gc_grace_seconds: str = "600",
 ) -> Iterator[Cluster]:
     """Two nodes and a gateway on ``database_url`` and a new bucket of ``s3`` (``node_env``: more
-        variables per node name, e.g. ``{"node-a": {"AGENTENV_MAX_SANDBOXES": "2"}}``; the store's sweep
+        variables per node name, e.g. ``{"node-a": {"FORKYARD_MAX_SANDBOXES": "2"}}``; the store's sweep
     grace is the product's 600 s: with 0 a sweep on one node can take a chunk that an upload on the
         other is about to name, which no grace-free protocol on S3 prevents); on the way out
         (after a failure too) dead nodes are started again (their recovery cleans up), every listed
         sandbox killed, everything stopped and the data dirs removed."""
-    s3_env = s3.agentenv_env(s3.new_bucket(), gc_grace_seconds=gc_grace_seconds, upload_templates="false")
+    s3_env = s3.forkyard_env(s3.new_bucket(), gc_grace_seconds=gc_grace_seconds, upload_templates="false")
     gateway_dir = Path(tempfile.mkdtemp(prefix="ae-gw-", dir="/tmp"))
     nodes: dict[str, Proc] = {}
     for name, subnet in SUBNETS.items():
@@ -160,17 +160,17 @@ def run_cluster(
         port = free_port()
         extra = {
             **s3_env,
-            "AGENTENV_NODE_ID": name,
-            "AGENTENV_SANDBOX_SUBNET": subnet,
-            "AGENTENV_NODE_URL": f"http://127.0.0.1:{port}",
+            "FORKYARD_NODE_ID": name,
+            "FORKYARD_SANDBOX_SUBNET": subnet,
+            "FORKYARD_NODE_URL": f"http://127.0.0.1:{port}",
             **(node_env or {}).get(name, {}),
         }
-        argv = [sys.executable, "-m", "agentenv.cli.main", "node", "serve"]
+        argv = [sys.executable, "-m", "forkyard.cli.main", "node", "serve"]
         nodes[name] = Proc(
             name, argv, _env(data_dir, database_url, extra, defaults), port, data_dir / f"{name}.log"
         )
     cluster = Cluster(database_url, gateway_proc(database_url, free_port(), gateway_dir), nodes)
-    cluster.data_dirs = [gateway_dir, *(Path(p.env["AGENTENV_DATA_DIR"]) for p in nodes.values())]
+    cluster.data_dirs = [gateway_dir, *(Path(p.env["FORKYARD_DATA_DIR"]) for p in nodes.values())]
     try:
         for node in nodes.values():
             node.start()

@@ -3,24 +3,24 @@ test module just names them as arguments; never import them).
 
 Runtime level (a runtime object in the test process, no server):
 
-* ``agentenv_data_dir`` - a throw-away data directory for the session (``/tmp/aet-*``: runsc
+* ``forkyard_data_dir`` - a throw-away data directory for the session (``/tmp/aet-*``: runsc
   keeps unix sockets below it). At the end every usable runtime removes what tests leaked in
   it, and the session fails on leaked sandboxes or mounts.
-* ``agentenv_settings`` - :class:`agentenv.config.Settings` on that directory and the shared
+* ``forkyard_settings`` - :class:`forkyard.config.Settings` on that directory and the shared
   template cache (:data:`tests.support.SHARED_TEMPLATES`).
 * ``base_template`` - the built ``base`` template (built on first use, about a minute; root).
-* ``envd_bundle`` - the envd runtime bundle directory for ``agentenv_settings``.
+* ``envd_bundle`` - the envd runtime bundle directory for ``forkyard_settings``.
 * ``runtime_factory(name)`` - a runtime instance, skipped with its ``probe()`` reason.
 * ``sandbox_factory(runtime, **spec)`` - creates sandboxes with unique ids and kills whatever
   a test leaves at teardown (so a failing test leaks nothing).
 
 Server level (:mod:`tests.support.server`):
 
-* ``agentenv_server`` - one real ``agentenv serve`` for the session, with ``E2B_API_URL``,
+* ``forkyard_server`` - one real ``forkyard serve`` for the session, with ``E2B_API_URL``,
   ``E2B_SANDBOX_URL`` and ``E2B_API_KEY`` set for the SDKs; skipped when the base template is
   not built. Tests that restart or kill a server start their own with ``serve()``.
 
-agentenv is imported inside the fixtures only: a module broken in the middle of a change fails
+forkyard is imported inside the fixtures only: a module broken in the middle of a change fails
 the tests that use it, not the whole collection.
 """
 
@@ -42,9 +42,9 @@ from tests.support.leaks import mounts_under
 from tests.support.server import ServerProcess, serve
 
 if TYPE_CHECKING:
-    from agentenv.config import Settings
-    from agentenv.runtime.base import Runtime
-    from agentenv.types import RuntimeName, SandboxInstance, TemplateImage
+    from forkyard.config import Settings
+    from forkyard.runtime.base import Runtime
+    from forkyard.types import RuntimeName, SandboxInstance, TemplateImage
 
 RuntimeFactory = Callable[[str], "Runtime"]
 SandboxFactory = Callable[..., Awaitable["SandboxInstance"]]
@@ -54,8 +54,8 @@ SandboxFactory = Callable[..., Awaitable["SandboxInstance"]]
 
 
 @pytest.fixture(scope="session")
-def agentenv_data_dir() -> Iterator[Path]:
-    from agentenv.config import Settings
+def forkyard_data_dir() -> Iterator[Path]:
+    from forkyard.config import Settings
 
     path = Path(tempfile.mkdtemp(prefix="aet-", dir="/tmp"))
     yield path
@@ -71,7 +71,7 @@ def agentenv_data_dir() -> Iterator[Path]:
 
 def _cleanup_runtimes(settings: Settings) -> list[str]:
     """Let every usable runtime remove what tests leaked in ``settings.data_dir``."""
-    from agentenv.runtime.registry import get_runtime, runtime_names
+    from forkyard.runtime.registry import get_runtime, runtime_names
 
     leaked: list[str] = []
     for name in runtime_names():
@@ -82,34 +82,34 @@ def _cleanup_runtimes(settings: Settings) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def agentenv_settings(agentenv_data_dir: Path) -> Settings:
-    from agentenv.config import Settings
+def forkyard_settings(forkyard_data_dir: Path) -> Settings:
+    from forkyard.config import Settings
 
-    return Settings(data_dir=agentenv_data_dir, templates_path=SHARED_TEMPLATES)
+    return Settings(data_dir=forkyard_data_dir, templates_path=SHARED_TEMPLATES)
 
 
 @pytest.fixture(scope="session")
-def base_template(agentenv_settings: Settings) -> TemplateImage:
+def base_template(forkyard_settings: Settings) -> TemplateImage:
     if os.geteuid() != 0:
         pytest.skip("needs root: building and using templates (debootstrap, chroot)")
-    from agentenv.storage.templates import build_template
+    from forkyard.storage.templates import build_template
 
-    return build_template("base", agentenv_settings)
-
-
-@pytest.fixture(scope="session")
-def envd_bundle(agentenv_settings: Settings) -> Path:
-    from agentenv.storage.envd_bundle import build_envd_bundle
-
-    return build_envd_bundle(agentenv_settings)
+    return build_template("base", forkyard_settings)
 
 
 @pytest.fixture(scope="session")
-def runtime_factory(agentenv_settings: Settings) -> RuntimeFactory:
-    from agentenv.runtime.registry import get_runtime
+def envd_bundle(forkyard_settings: Settings) -> Path:
+    from forkyard.storage.envd_bundle import build_envd_bundle
+
+    return build_envd_bundle(forkyard_settings)
+
+
+@pytest.fixture(scope="session")
+def runtime_factory(forkyard_settings: Settings) -> RuntimeFactory:
+    from forkyard.runtime.registry import get_runtime
 
     def make(name: str) -> Runtime:
-        runtime = get_runtime(cast("RuntimeName", name), agentenv_settings)
+        runtime = get_runtime(cast("RuntimeName", name), forkyard_settings)
         reason = runtime.probe()
         if reason is not None:
             pytest.skip(f"runtime {name} cannot run here: {reason}")
@@ -120,7 +120,7 @@ def runtime_factory(agentenv_settings: Settings) -> RuntimeFactory:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def sandbox_factory(base_template: TemplateImage) -> AsyncIterator[SandboxFactory]:
-    from agentenv.types import SandboxSpec
+    from forkyard.types import SandboxSpec
 
     created: list[tuple[Runtime, SandboxInstance]] = []
 
@@ -139,11 +139,11 @@ async def sandbox_factory(base_template: TemplateImage) -> AsyncIterator[Sandbox
 
 
 @pytest.fixture(scope="session")
-def agentenv_server() -> Iterator[ServerProcess]:
+def forkyard_server() -> Iterator[ServerProcess]:
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    with serve(prefix="agentenv-e2e-") as server, pytest.MonkeyPatch.context() as env:
+    with serve(prefix="forkyard-e2e-") as server, pytest.MonkeyPatch.context() as env:
         for key, value in server.sdk_env.items():
             env.setenv(key, value)
         yield server

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Kept equal to agentenv.runtime.network (NETNS_DIR, NETNS_PREFIX, HOST_IF_PREFIX); read from
+#: Kept equal to forkyard.runtime.network (NETNS_DIR, NETNS_PREFIX, HOST_IF_PREFIX); read from
 #: there when it imports, so a rename in the product does not blind the probes.
 NETNS_DIR = Path("/var/run/netns")
 NETNS_PREFIX = "ae-"
@@ -26,12 +26,12 @@ HOST_IF_PREFIX = "aeh"
 #: Programs that run a sandbox, matched on the executable's name (argv[0]): runsc re-executes
 #: itself as runsc-sandbox / runsc-gofer. The Firecracker uffd page server is a python module.
 SANDBOX_PROGRAMS = ("runsc", "qemu-system", "firecracker")
-SANDBOX_MODULES = ("agentenv.runtime.firecracker.uffd",)
+SANDBOX_MODULES = ("forkyard.runtime.firecracker.uffd",)
 
 
 def _network_names() -> tuple[Path, str, str]:
     try:
-        from agentenv.runtime import network
+        from forkyard.runtime import network
     except ImportError:
         return NETNS_DIR, NETNS_PREFIX, HOST_IF_PREFIX
     return (
@@ -80,8 +80,8 @@ def netns_exists(sandbox_id: str) -> bool:
     return (netns_dir / f"{prefix}{sandbox_id}").exists()
 
 
-def agentenv_netns() -> set[str]:
-    """Every agentenv network namespace on the host (``ae-*``)."""
+def forkyard_netns() -> set[str]:
+    """Every forkyard network namespace on the host (``ae-*``)."""
     netns_dir, prefix, _ = _network_names()
     try:
         return {p.name for p in netns_dir.iterdir() if p.name.startswith(prefix)}
@@ -90,7 +90,7 @@ def agentenv_netns() -> set[str]:
 
 
 def host_links(prefix: str | None = None) -> set[str]:
-    """Host network interfaces named ``prefix*`` (default: agentenv's host-side veths, ``aeh*``)."""
+    """Host network interfaces named ``prefix*`` (default: forkyard's host-side veths, ``aeh*``)."""
     prefix = prefix if prefix is not None else _network_names()[2]
     return {p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(prefix)}
 
@@ -101,7 +101,7 @@ def link_exists(name: str) -> bool:
 
 # -- firewall and egress proxy -----------------------------------------------------------------
 
-#: Per-sandbox iptables chains (agentenv.runtime.network): egress filter, egress proxy redirect.
+#: Per-sandbox iptables chains (forkyard.runtime.network): egress filter, egress proxy redirect.
 SANDBOX_CHAIN_PREFIXES = ("AEO-", "AEP-")
 
 
@@ -282,7 +282,7 @@ class HostState:
 def host_state() -> HostState:
     programs = {int(line.split(" ", 1)[0]): line for line in sandbox_processes()}
     return HostState(
-        frozenset(agentenv_netns()), frozenset(host_links()), programs, frozenset(sandbox_chains())
+        frozenset(forkyard_netns()), frozenset(host_links()), programs, frozenset(sandbox_chains())
     )
 
 

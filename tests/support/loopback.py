@@ -23,10 +23,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from agentenv.config import Settings
-from agentenv.errors import Failed, NotSupported
-from agentenv.runtime.base import Runtime
-from agentenv.types import ENVD_PORT, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
+from forkyard.config import Settings
+from forkyard.errors import Failed, NotSupported
+from forkyard.runtime.base import Runtime
+from forkyard.types import ENVD_PORT, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 
 
 @dataclass

@@ -3,7 +3,7 @@
 loopback port, its unix socket in that directory too, trust authentication for one role.
 
     with postgres_cluster() as pg:
-        url = pg.new_database()     # postgresql+asyncpg://agentenv@127.0.0.1:<port>/<name>
+        url = pg.new_database()     # postgresql+asyncpg://forkyard@127.0.0.1:<port>/<name>
 
 PostgreSQL refuses to run as root: as root the cluster belongs to the ``postgres`` system user.
 The ``postgres`` fixture (session-scoped, a pytest plugin of tests/conftest.py) shares one cluster
@@ -27,8 +27,8 @@ import pytest
 
 from tests.support import free_port
 
-BIN = Path(os.environ.get("AGENTENV_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
-ROLE = "agentenv"
+BIN = Path(os.environ.get("FORKYARD_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+ROLE = "forkyard"
 
 
 def missing() -> str | None:
@@ -79,7 +79,7 @@ def postgres_cluster(*, durable: bool = False) -> Iterator[PostgresCluster]:
     reason = missing()
     if reason:
         raise RuntimeError(reason)
-    root = Path(tempfile.mkdtemp(prefix="agentenv-pg-"))
+    root = Path(tempfile.mkdtemp(prefix="forkyard-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
     data, log_path, port = root / "data", root / "postgres.log", free_port()
@@ -138,10 +138,10 @@ def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture(params=BACKENDS)
 def registry_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every ``Settings`` the test makes uses this backend: the default SQLite file, or a new
-    PostgreSQL database (``AGENTENV_DATABASE_URL``). Use with ``pytest.mark.usefixtures``."""
+    PostgreSQL database (``FORKYARD_DATABASE_URL``). Use with ``pytest.mark.usefixtures``."""
     if request.param == "postgresql":
         cluster: PostgresCluster = request.getfixturevalue("postgres")
-        monkeypatch.setenv("AGENTENV_DATABASE_URL", cluster.new_database())
+        monkeypatch.setenv("FORKYARD_DATABASE_URL", cluster.new_database())
     else:
-        monkeypatch.delenv("AGENTENV_DATABASE_URL", raising=False)
+        monkeypatch.delenv("FORKYARD_DATABASE_URL", raising=False)
     return str(request.param)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentenv.runtime.gvisor.watch import find_sentry
+from forkyard.runtime.gvisor.watch import find_sentry
 
 
 def runsc_sandbox_pid(sandbox_id: str) -> int:

@@ -3,7 +3,7 @@
 
     with s3_server() as s3:
         bucket = s3.new_bucket()
-        env = s3.agentenv_env(bucket)      # AGENTENV_S3__* for an ``agentenv serve``
+        env = s3.forkyard_env(bucket)      # FORKYARD_S3__* for an ``forkyard serve``
 
 No pytest here: bench/ imports this module.
 """
@@ -25,8 +25,8 @@ import httpx
 
 from tests.support import free_port
 
-ACCESS_KEY = "agentenv-test"
-SECRET_KEY = "agentenv-test-secret"
+ACCESS_KEY = "forkyard-test"
+SECRET_KEY = "forkyard-test-secret"
 REGION = "us-east-1"
 
 
@@ -60,19 +60,19 @@ class S3Server:
             keys += [obj["Key"] for obj in page.get("Contents", [])]
         return keys
 
-    def agentenv_env(self, bucket: str, **extra: str) -> dict[str, str]:
-        """The ``AGENTENV_S3__*`` settings of a server using ``bucket`` on this server."""
+    def forkyard_env(self, bucket: str, **extra: str) -> dict[str, str]:
+        """The ``FORKYARD_S3__*`` settings of a server using ``bucket`` on this server."""
         return {
-            "AGENTENV_S3__BUCKET": bucket,
-            "AGENTENV_S3__ENDPOINT_URL": self.endpoint,
-            "AGENTENV_S3__REGION": REGION,
-            "AGENTENV_S3__ACCESS_KEY_ID": ACCESS_KEY,
-            "AGENTENV_S3__SECRET_ACCESS_KEY": SECRET_KEY,
-            **{f"AGENTENV_S3__{k.upper()}": v for k, v in extra.items()},
+            "FORKYARD_S3__BUCKET": bucket,
+            "FORKYARD_S3__ENDPOINT_URL": self.endpoint,
+            "FORKYARD_S3__REGION": REGION,
+            "FORKYARD_S3__ACCESS_KEY_ID": ACCESS_KEY,
+            "FORKYARD_S3__SECRET_ACCESS_KEY": SECRET_KEY,
+            **{f"FORKYARD_S3__{k.upper()}": v for k, v in extra.items()},
         }
 
     def settings(self, bucket: str, **extra: Any) -> Any:
-        from agentenv.config import S3Settings
+        from forkyard.config import S3Settings
 
         return S3Settings(
             bucket=bucket,

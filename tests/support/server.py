@@ -1,4 +1,4 @@
-"""A real ``agentenv serve`` subprocess: what the system tests and the benchmarks run against.
+"""A real ``forkyard serve`` subprocess: what the system tests and the benchmarks run against.
 
     with serve() as server:                      # throw-away data dir, random API key
         Sandbox.create(**server.sdk_opts)
@@ -7,8 +7,8 @@
 :func:`start_server` is the lower level for tests that restart a server on the same data dir
 (``start_server(old.data_dir, port=old.port, api_key=old.api_key)``) or ``kill -9`` it.
 
-The server reads templates from the shared cache (``AGENTENV_TEMPLATES_PATH``, default
-``/var/lib/agentenv/templates``; nothing is copied) and logs to ``<data_dir>/server-<port>.log``.
+The server reads templates from the shared cache (``FORKYARD_TEMPLATES_PATH``, default
+``/var/lib/forkyard/templates``; nothing is copied) and logs to ``<data_dir>/server-<port>.log``.
 No pytest here: bench/ imports this module.
 """
 
@@ -36,10 +36,10 @@ from tests.support.leaks import mounts_under
 #: The test servers' settings that differ from a production server. Warm pools keep restored
 #: sandboxes running: only the tests of pools turn them on. Benchmarks pass ``defaults={}``.
 TEST_DEFAULTS: Mapping[str, str] = {
-    "AGENTENV_MAX_UPLOAD_BYTES": str(64 << 20),
-    "AGENTENV_WARM_POOL_HIGH": "0",
+    "FORKYARD_MAX_UPLOAD_BYTES": str(64 << 20),
+    "FORKYARD_WARM_POOL_HIGH": "0",
     # Sandbox URLs over HTTPS bind a fixed port: only their own tests turn them on (on a free one).
-    "AGENTENV_TLS_PORT": "0",
+    "FORKYARD_TLS_PORT": "0",
 }
 READY_TIMEOUT = 90.0
 
@@ -114,9 +114,9 @@ def start_server(
     defaults: Mapping[str, str] = TEST_DEFAULTS,
     ready_timeout: float = READY_TIMEOUT,
 ) -> ServerProcess:
-    """Start ``agentenv serve`` on ``data_dir`` and wait until ``/health`` answers.
+    """Start ``forkyard serve`` on ``data_dir`` and wait until ``/health`` answers.
 
-    ``runtime`` sets ``AGENTENV_RUNTIME`` (else it is inherited, default auto); ``extra_env`` wins
+    ``runtime`` sets ``FORKYARD_RUNTIME`` (else it is inherited, default auto); ``extra_env`` wins
     over ``defaults``. Raises RuntimeError with the log's tail when the server exits or does not
     get ready in ``ready_timeout`` s (after killing what it started).
     """
@@ -124,18 +124,18 @@ def start_server(
     api_key = api_key or "e2b_test_" + secrets.token_hex(8)
     env = {
         **os.environ,
-        "AGENTENV_DATA_DIR": str(data_dir),
-        "AGENTENV_TEMPLATES_PATH": str(SHARED_TEMPLATES),
-        "AGENTENV_API_KEYS": json.dumps([api_key]),
+        "FORKYARD_DATA_DIR": str(data_dir),
+        "FORKYARD_TEMPLATES_PATH": str(SHARED_TEMPLATES),
+        "FORKYARD_API_KEYS": json.dumps([api_key]),
         **defaults,
-        **({"AGENTENV_RUNTIME": runtime} if runtime else {}),
+        **({"FORKYARD_RUNTIME": runtime} if runtime else {}),
         **(extra_env or {}),
     }
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / f"server-{port}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agentenv.cli.main", "serve", "--port", str(port)],
+            [sys.executable, "-m", "forkyard.cli.main", "serve", "--port", str(port)],
             env=env,
             cwd=REPO,
             stdout=log,
@@ -145,7 +145,7 @@ def start_server(
     deadline = time.monotonic() + ready_timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"agentenv serve exited ({proc.returncode}):\n{server.log_tail()}")
+            raise RuntimeError(f"forkyard serve exited ({proc.returncode}):\n{server.log_tail()}")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(server.url + "/health", timeout=1).is_success:
                 return server
@@ -153,7 +153,7 @@ def start_server(
             server.kill_all_sandboxes()
             server.stop()
             raise RuntimeError(
-                f"agentenv serve did not answer /health in {ready_timeout:.0f} s:\n{server.log_tail()}"
+                f"forkyard serve did not answer /health in {ready_timeout:.0f} s:\n{server.log_tail()}"
             )
         time.sleep(0.2)
 
@@ -167,7 +167,7 @@ def remove_data_dir(data_dir: Path) -> list[str]:
     """
     if (data_dir / "layers.xfs").exists():
         with contextlib.suppress(ImportError, OSError, RuntimeError):
-            from agentenv.storage.reflink import ReflinkPool
+            from forkyard.storage.reflink import ReflinkPool
 
             ReflinkPool(data_dir).destroy()
     mounted = mounts_under(data_dir)
@@ -179,7 +179,7 @@ def remove_data_dir(data_dir: Path) -> list[str]:
 @contextlib.contextmanager
 def serve(
     *,
-    prefix: str = "agentenv-",
+    prefix: str = "forkyard-",
     runtime: str | None = None,
     extra_env: Mapping[str, str] | None = None,
     defaults: Mapping[str, str] = TEST_DEFAULTS,

@@ -1,4 +1,4 @@
-"""Bad input, limits, timeouts and crash recovery against a real ``agentenv serve`` with the real
+"""Bad input, limits, timeouts and crash recovery against a real ``forkyard serve`` with the real
 runtime: every error in E2B's shape, and no sandbox, runsc process or netns left behind."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def api(server: ServerProcess) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=120)
 
 
-def test_bad_requests_in_e2b_shape(agentenv_server: ServerProcess) -> None:
-    with api(agentenv_server) as c:
+def test_bad_requests_in_e2b_shape(forkyard_server: ServerProcess) -> None:
+    with api(forkyard_server) as c:
         before = c.get("/v2/sandboxes").json()
         json_header = {"content-type": "application/json"}
         e2b_error(c.post("/v2/sandboxes", content=b"{oops", headers=json_header), 400)
@@ -36,16 +36,16 @@ def test_bad_requests_in_e2b_shape(agentenv_server: ServerProcess) -> None:
         e2b_error(c.post("/v2/sandboxes", json={"templateID": ["base"]}), 400)
         assert "not found" in e2b_error(c.post("/v2/sandboxes", json={"templateID": "nope"}), 404)
         e2b_error(c.get("/sandboxes/" + "z" * 20), 404)
-        e2b_error(httpx.get(agentenv_server.url + "/v2/sandboxes"), 401)
+        e2b_error(httpx.get(forkyard_server.url + "/v2/sandboxes"), 401)
         resp = c.get("/health", headers={"E2b-Sandbox-Id": "z" * 20, "E2b-Sandbox-Port": "49983"})
         assert "was not found" in e2b_error(resp, 502)
         assert c.get("/v2/sandboxes").json() == before
 
 
-def test_upload_limit_413_and_sandbox_survives(agentenv_server: ServerProcess) -> None:
+def test_upload_limit_413_and_sandbox_survives(forkyard_server: ServerProcess) -> None:
     sbx = Sandbox.create(timeout=120)
     try:
-        limit = 64 << 20  # AGENTENV_MAX_UPLOAD_BYTES of the e2e server
+        limit = 64 << 20  # FORKYARD_MAX_UPLOAD_BYTES of the e2e server
         headers = {
             "E2b-Sandbox-Id": sbx.sandbox_id,
             "E2b-Sandbox-Port": "49983",
@@ -53,7 +53,7 @@ def test_upload_limit_413_and_sandbox_survives(agentenv_server: ServerProcess) -
         }
         big = os.urandom(limit + 1)
         resp = httpx.post(
-            f"{agentenv_server.url}/files",
+            f"{forkyard_server.url}/files",
             params={"path": "/home/user/huge"},
             files={"file": ("huge", big)},
             headers=headers,

@@ -1,5 +1,5 @@
-"""The operators' CLI through its real entry point (``.venv/bin/agentenv``, a subprocess with the
-SDKs' variables) against a real ``agentenv serve`` on gVisor: list, kill, exec, logs, connect (a
+"""The operators' CLI through its real entry point (``.venv/bin/forkyard``, a subprocess with the
+SDKs' variables) against a real ``forkyard serve`` on gVisor: list, kill, exec, logs, connect (a
 scripted session on a real pseudo-terminal via pexpect), snapshots and node status."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from e2b import Sandbox
 
 from tests.support.server import ServerProcess
 
-AGENTENV = str(Path(sys.executable).with_name("agentenv"))
+FORKYARD = str(Path(sys.executable).with_name("forkyard"))
 
 
 def cli(
     *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [AGENTENV, *args],
+        [FORKYARD, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -40,7 +40,7 @@ def tag() -> str:
 
 
 @pytest.fixture(scope="module")
-def pair(agentenv_server: ServerProcess, tag: str) -> Iterator[list[Sandbox]]:
+def pair(forkyard_server: ServerProcess, tag: str) -> Iterator[list[Sandbox]]:
     boxes = [Sandbox.create(timeout=300, metadata={"suite": tag, "n": str(i)}) for i in range(2)]
     try:
         yield boxes
@@ -73,7 +73,7 @@ def test_exec_streams_output_and_passes_the_exit_code(pair: list[Sandbox]) -> No
 
 def test_connect_is_an_interactive_terminal(pair: list[Sandbox]) -> None:
     child = pexpect.spawn(
-        AGENTENV,
+        FORKYARD,
         ["sandbox", "connect", pair[0].sandbox_id],
         env=dict(os.environ),
         timeout=60,
@@ -130,7 +130,7 @@ def test_logs_follow_ends_when_killed_and_kill_by_metadata(pair: list[Sandbox], 
     logs = cli("sandbox", "logs", first.sandbox_id)
     assert logs.returncode == 0 and "INFO" in logs.stdout, logs.stderr
     follower = subprocess.Popen(
-        [AGENTENV, "sandbox", "logs", "--follow", first.sandbox_id],
+        [FORKYARD, "sandbox", "logs", "--follow", first.sandbox_id],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -151,7 +151,7 @@ def test_logs_follow_ends_when_killed_and_kill_by_metadata(pair: list[Sandbox], 
     assert json.loads(cli("sandbox", "list", "--json", "-m", f"suite={tag}").stdout) == []
 
 
-def test_errors_are_e2b_messages_not_tracebacks(agentenv_server: ServerProcess) -> None:
+def test_errors_are_e2b_messages_not_tracebacks(forkyard_server: ServerProcess) -> None:
     missing = cli("sandbox", "kill", "inoexist0000000000000")
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "not found" in missing.stderr
     assert "Traceback" not in missing.stderr

@@ -4,7 +4,7 @@ subnets and ports), driven through the official e2b SDK against the gateway only
 
 One cluster serves the module, the tests run in order: creates spread over both nodes, envd
 traffic through the gateway, lists across nodes, a node reached directly without a signature
-answers 401, a fork of a's sandbox past a's room (``AGENTENV_MAX_SANDBOXES``) spills children onto
+answers 401, a fork of a's sandbox past a's room (``FORKYARD_MAX_SANDBOXES``) spills children onto
 b, the operators' CLI through the gateway, a gateway restart and a second gateway lose and split
 nothing, then node a is ``kill -9``ed: its sandboxes are reported gone within seconds while b's
 runs on, its snapshot is restored on b from S3, and a restarted a destroys what the cluster
@@ -27,7 +27,7 @@ import pytest
 from e2b import NotFoundException, Sandbox, SandboxQuery
 from e2b.exceptions import ServiceBusyException
 
-from agentenv.api import nodeauth
+from forkyard.api import nodeauth
 from tests.support import base_template_missing, free_port
 from tests.support.cluster import API_KEY, LOST_AFTER_S, SECRET, Cluster, gateway_proc, run_cluster
 from tests.support.counter import COUNTER_FILE, assert_state_continues, start_state
@@ -44,7 +44,7 @@ def cluster(postgres: PostgresCluster) -> Iterator[Cluster]:
     if reason:
         pytest.skip(reason)
     # Node a takes 2 sandboxes at most: a fork of its sandbox spills over onto b.
-    node_env = {"node-a": {"AGENTENV_MAX_SANDBOXES": str(A_MAX_SANDBOXES)}}
+    node_env = {"node-a": {"FORKYARD_MAX_SANDBOXES": str(A_MAX_SANDBOXES)}}
     with s3_server() as s3, run_cluster(postgres.new_database(), s3, node_env=node_env) as running:
         yield running
 
@@ -52,7 +52,7 @@ def cluster(postgres: PostgresCluster) -> Iterator[Cluster]:
 #: Sandboxes the ordered tests share: name -> sandbox id.
 SHARED: dict[str, str] = {}
 A_MAX_SANDBOXES = 2
-AGENTENV = str(Path(sys.executable).with_name("agentenv"))
+FORKYARD = str(Path(sys.executable).with_name("forkyard"))
 
 
 def test_a_node_reached_directly_without_a_signature_answers_401(cluster: Cluster) -> None:
@@ -188,7 +188,7 @@ def _cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
         "E2B_API_URL": cluster.gateway.url,
         "E2B_SANDBOX_URL": cluster.gateway.url,
     }
-    done = subprocess.run([AGENTENV, *args], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([FORKYARD, *args], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, (args, done.stdout, done.stderr)
     return done
 

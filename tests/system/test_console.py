@@ -1,5 +1,5 @@
 """The web console in Debian's headless Chromium (Selenium driving /usr/bin/chromedriver, nothing
-downloaded) against a real ``agentenv serve`` on gVisor: log in with the key, see a sandbox
+downloaded) against a real ``forkyard serve`` on gVisor: log in with the key, see a sandbox
 appear, open its terminal and run a command over envd's PTY, pause/resume/snapshot it, kill it.
 Screenshots of the main pages are kept in ``tests/artifacts/console/`` (git-ignored)."""
 
@@ -108,33 +108,33 @@ def click_and_load(driver: object, by: str, selector: str) -> None:
     wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
 
 
-def test_unauthenticated_requests_are_refused(agentenv_server: ServerProcess) -> None:
-    url = agentenv_server.url
+def test_unauthenticated_requests_are_refused(forkyard_server: ServerProcess) -> None:
+    url = forkyard_server.url
     page = httpx.get(url + "/console/sandboxes", headers={"Accept": "text/html"})
     assert page.status_code == 303 and page.headers["location"] == "/console/login"
-    action = httpx.post(url + "/console/sandboxes/inoexist/kill", cookies={"agentenv_console_key": "wrong"})
+    action = httpx.post(url + "/console/sandboxes/inoexist/kill", cookies={"forkyard_console_key": "wrong"})
     assert action.status_code == 401 and action.json() == {"code": 401, "message": "invalid API key"}
     assert httpx.get(url + "/node").status_code == 401
-    status = httpx.get(url + "/node", headers=agentenv_server.headers).json()
+    status = httpx.get(url + "/node", headers=forkyard_server.headers).json()
     assert status["runtime"] == "gvisor"
-    history = httpx.get(url + "/node/history", headers=agentenv_server.headers).json()
+    history = httpx.get(url + "/node/history", headers=forkyard_server.headers).json()
     assert history["samples"], "the sampler takes one sample at start-up"
 
 
-def test_console_login_sandbox_terminal_actions_kill(browser: object, agentenv_server: ServerProcess) -> None:
+def test_console_login_sandbox_terminal_actions_kill(browser: object, forkyard_server: ServerProcess) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
     d = browser
-    url = agentenv_server.url
+    url = forkyard_server.url
     d.get(url + "/console")  # type: ignore[attr-defined]
     assert d.current_url.endswith("/console/login")  # type: ignore[attr-defined]
     shot(d, "login")
     d.find_element(By.ID, "api_key").send_keys("wrong-key")  # type: ignore[attr-defined]
     click_and_load(d, By.ID, "login")
     assert "invalid API key" in body_text(d)
-    d.find_element(By.ID, "api_key").send_keys(agentenv_server.api_key)  # type: ignore[attr-defined]
+    d.find_element(By.ID, "api_key").send_keys(forkyard_server.api_key)  # type: ignore[attr-defined]
     click_and_load(d, By.ID, "login")
     assert d.current_url.endswith("/console/sandboxes")  # type: ignore[attr-defined]
 

@@ -40,8 +40,8 @@ def constrained(argv: list[str]) -> list[str]:
 
 def scenario() -> None:
     """Run in the constrained child: create, command, kill -9 of the server, restart, re-attach."""
-    data = Path(tempfile.mkdtemp(prefix="agentenv-caps-", dir="/tmp"))
-    server = start_server(data, extra_env={"AGENTENV_SANDBOX_SUBNET": "10.217.0.0/16"})
+    data = Path(tempfile.mkdtemp(prefix="forkyard-caps-", dir="/tmp"))
+    server = start_server(data, extra_env={"FORKYARD_SANDBOX_SUBNET": "10.217.0.0/16"})
     headers = {"X-API-Key": server.api_key}
     try:
         with httpx.Client(base_url=server.url, headers=headers, timeout=120) as client:

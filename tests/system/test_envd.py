@@ -1,6 +1,6 @@
 """envd on the host, driven by the official e2b SDK (2.63.0) the way a sandbox user drives it.
 
-envd runs as a real subprocess (``python -m agentenv.envd``) on a free loopback port; the SDK's
+envd runs as a real subprocess (``python -m forkyard.envd``) on a free loopback port; the SDK's
 ``Sandbox`` is pointed straight at it (``sandbox_url``), with no control plane in between.
 """
 
@@ -54,7 +54,7 @@ from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEvent
 from packaging.version import Version
 from protobuf import Oneof
 
-from agentenv.types import ENVD_INIT_REVALIDATE
+from forkyard.types import ENVD_INIT_REVALIDATE
 from tests.support import REPO
 from tests.support import free_port as _free_port
 
@@ -99,12 +99,12 @@ os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 def _start_envd(env_extra: dict[str, str] | None = None) -> Envd:
     port = _free_port()
     env = {**os.environ, **(env_extra or {})}
-    token = env_extra.get("AGENTENV_ENVD_ACCESS_TOKEN") if env_extra else None
+    token = env_extra.get("FORKYARD_ENVD_ACCESS_TOKEN") if env_extra else None
     log = Path(tempfile.mkstemp(prefix="envd-test-log-")[1])
     started = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "forkyard.envd", "--host", "127.0.0.1", "--port", str(port)],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -682,7 +682,7 @@ def test_init_envs_metrics(envd: Envd, sbx: Sandbox, workdir: str) -> None:
 # --- access token --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def secured_envd() -> Iterator[Envd]:
-    server = _start_envd({"AGENTENV_ENVD_ACCESS_TOKEN": "tok-" + uuid.uuid4().hex})
+    server = _start_envd({"FORKYARD_ENVD_ACCESS_TOKEN": "tok-" + uuid.uuid4().hex})
     yield server
     log = _stop_envd(server)
     assert "Traceback" not in log, log
@@ -720,8 +720,8 @@ def test_init_sets_the_token(envd: Envd) -> None:
 
 def test_envd_startup_reports_env_port(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "AGENTENV_ENVD_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1"], cwd=REPO, env=env)
+    env = {**os.environ, "FORKYARD_ENVD_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "forkyard.envd", "--host", "127.0.0.1"], cwd=REPO, env=env)
     try:
         _wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), timeout=20)
     finally:
@@ -863,7 +863,7 @@ def test_orphans_are_reaped_when_envd_is_pid_1() -> None:
     log = Path(tempfile.mkstemp(prefix="envd-test-log-")[1])
     with log.open("wb") as out:
         unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
-        envd_cmd = [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port)]
+        envd_cmd = [sys.executable, "-m", "forkyard.envd", "--host", "127.0.0.1", "--port", str(port)]
         proc = subprocess.Popen(unshare + envd_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     server = Envd(f"http://127.0.0.1:{port}", proc, 0.0, log)
     try:
@@ -986,7 +986,7 @@ def _envd_in_mount_namespace(binds: dict[Path, str], log: Path) -> Envd:
     over the host's files: another /etc/passwd, profile, ... without touching the host."""
     port = _free_port()
     mounts = [f"mount --bind {source} {target}" for source, target in binds.items()]
-    script = " && ".join([*mounts, f"exec {sys.executable} -m agentenv.envd --host 127.0.0.1 --port {port}"])
+    script = " && ".join([*mounts, f"exec {sys.executable} -m forkyard.envd --host 127.0.0.1 --port {port}"])
     with log.open("wb") as out:
         proc = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
@@ -1024,16 +1024,16 @@ def test_default_user_is_user_when_the_template_has_one(tmp_path: Path) -> None:
 def test_envd_imports_stay_lean() -> None:
     """envd runs from the read-only in-sandbox bundle: none of the control plane's stack."""
     probe = (
-        "import sys, agentenv.envd.server\n"
+        "import sys, forkyard.envd.server\n"
         "heavy = ('pydantic', 'pydantic_settings', 'fastapi', 'httpx', 'typer', 'aiosqlite')\n"
-        "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('agentenv.config')])\n"
+        "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('forkyard.config')])\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
 
 def test_running_envd_maps_no_unused_libraries(envd: Envd) -> None:
-    """Every mapped library and imported module is in each checkpoint image (agentenv.envd.lean):
+    """Every mapped library and imported module is in each checkpoint image (forkyard.envd.lean):
     the running envd has neither pyqwest (connectrpc's HTTP client) nor websockets mapped; at
     start-up no ctypes (loaded on the first watch; this module's envd has watched already) and
     none of uvicorn's command line and process supervisors."""
@@ -1042,10 +1042,10 @@ def test_running_envd_maps_no_unused_libraries(envd: Envd) -> None:
         assert library not in maps, library
     probe = (
         "import sys\n"
-        "from agentenv.envd import lean\n"
+        "from forkyard.envd import lean\n"
         "lean.defer_http_client()\n"
         "lean.uvicorn_server()\n"
-        "import agentenv.envd.app, uvicorn.lifespan.on, uvicorn.protocols.http.h11_impl\n"
+        "import forkyard.envd.app, uvicorn.lifespan.on, uvicorn.protocols.http.h11_impl\n"
         "unused = ('pyqwest._pyqwest', 'click', 'multiprocessing', 'uvicorn.main', 'websockets', 'ctypes')\n"
         "print([m for m in unused if m in sys.modules])\n"
         # Deferred, not removed: whoever really uses them gets the real modules.
@@ -1058,19 +1058,19 @@ def test_running_envd_maps_no_unused_libraries(envd: Envd) -> None:
 
 
 def test_envd_reports_the_version_of_the_contract() -> None:
-    from agentenv import types
+    from forkyard import types
 
     done = subprocess.run(
-        [sys.executable, "-m", "agentenv.envd", "--version"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "forkyard.envd", "--version"], capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == types.ENVD_VERSION
     assert Version(types.ENVD_VERSION) == ENVD_VERSION  # what these tests tell the SDK
 
 
 def test_bundle_ships_what_envd_imports_of_the_project() -> None:
-    """envd imports agentenv.types and agentenv.errors: the bundle ships (and hashes) them, and
+    """envd imports forkyard.types and forkyard.errors: the bundle ships (and hashes) them, and
     refuses to build when envd imports a project module it does not ship."""
-    from agentenv.storage import envd_bundle
+    from forkyard.storage import envd_bundle
 
     package = envd_bundle.envd_source_dir().parent
     shipped = {str(path.relative_to(package)) for path in envd_bundle._bundled_sources()}
@@ -1105,8 +1105,8 @@ def test_init_timestamp_never_moves_the_clock_unless_enabled(envd: Envd) -> None
 
 
 def test_sync_clock_steps_only_on_skew_and_tolerates_refusal() -> None:
-    from agentenv.envd.app import sync_clock
-    from agentenv.envd.settings import parse_settings
+    from forkyard.envd.app import sync_clock
+    from forkyard.envd.settings import parse_settings
 
     calls: list[tuple[int, float]] = []
     assert sync_clock(time.time(), setter=lambda clock, t: calls.append((clock, t))) is False
@@ -1169,7 +1169,7 @@ def _slow_connect_stream(url: str, path: str, message: dict[str, Any]) -> Iterat
 def test_slow_client_gets_all_output_without_envd_buffering_it() -> None:
     """Backpressure: a client reading slower than the process writes holds the process back
     (through its pipe) instead of envd queueing the whole output in memory."""
-    server = _start_envd({"AGENTENV_ENVD_STREAM_BUFFER_MIB": "2"})
+    server = _start_envd({"FORKYARD_ENVD_STREAM_BUFFER_MIB": "2"})
     try:
         status = Path(f"/proc/{server.proc.pid}/status")
         if "VmHWM:" not in status.read_text():
@@ -1208,7 +1208,7 @@ def test_unread_background_command_is_not_held_up(sbx: Sandbox) -> None:
 
 
 def test_stalled_client_is_dropped_and_the_process_runs_on(workdir: str) -> None:
-    server = _start_envd({"AGENTENV_ENVD_STREAM_BUFFER_MIB": "1"})
+    server = _start_envd({"FORKYARD_ENVD_STREAM_BUFFER_MIB": "1"})
     try:
         marker = f"{workdir}/finished"
         body = json.dumps(
@@ -1238,7 +1238,7 @@ def test_stalled_client_is_dropped_and_the_process_runs_on(workdir: str) -> None
         assert "Traceback" not in _stop_envd(server)
 
 
-# --- login environments (agentenv/envd/loginenv.py) ----------------------------------------------
+# --- login environments (forkyard/envd/loginenv.py) ----------------------------------------------
 # `commands.run` is `/bin/bash -l -c <cmd>`; envd runs the profile once per (user, cwd, env) and
 # starts commands as `bash --login --noprofile -c` in its result. These tests pin that a command
 # cannot tell: an envd in a private mount namespace with an account of its own and a Debian-like

@@ -1,5 +1,5 @@
 """E2B's envd and API details (issue 10, section 3), each through the official SDK against a real
-``agentenv serve`` on the gVisor runtime: stream deadlines, file metadata on gVisor's root,
+``forkyard serve`` on the gVisor runtime: stream deadlines, file metadata on gVisor's root,
 boot ids, symlinks, watch events, the filesystem-only pause, signed URLs, the node's /metrics.
 """
 
@@ -38,14 +38,14 @@ def _wait_paused(sandbox_id: str, limit: float = 60.0) -> None:
 
 
 @pytest.fixture
-def sbx(agentenv_server: ServerProcess) -> Iterator[Sandbox]:
+def sbx(forkyard_server: ServerProcess) -> Iterator[Sandbox]:
     sandbox = Sandbox.create(timeout=180)
     yield sandbox
     sandbox.kill()
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_connect_timeout_ends_a_quiet_command_stream(agentenv_server: ServerProcess) -> None:
+async def test_connect_timeout_ends_a_quiet_command_stream(forkyard_server: ServerProcess) -> None:
     """The async SDK's ``timeout`` is the stream's ``Connect-Timeout-Ms``; envd ends the stream
     with ``deadline_exceeded`` then (as connect-go does), which the SDK raises as a timeout."""
     sandbox = await AsyncSandbox.create(timeout=120)
@@ -149,7 +149,7 @@ def test_boot_id_is_kept_by_pause_and_snapshots(sbx: Sandbox) -> None:
     # template's memory snapshot), they share the template boot's id; only a boot makes a new one.
 
 
-def test_filesystem_only_pause(sbx: Sandbox, agentenv_server: ServerProcess) -> None:
+def test_filesystem_only_pause(sbx: Sandbox, forkyard_server: ServerProcess) -> None:
     """``pause(keep_memory=False)``: processes end, files (and their metadata) stay, the resume
     boots afresh with a new boot id; a kill while so paused removes the kept disk."""
     boot = _boot_id(sbx)
@@ -159,7 +159,7 @@ def test_filesystem_only_pause(sbx: Sandbox, agentenv_server: ServerProcess) -> 
     assert sbx.pause(keep_memory=False)
     assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
     assert wait_no_host_resources(sbx.sandbox_id) == []  # no process, mount or netns: only files
-    scratch = agentenv_server.data_dir / "sandboxes" / sbx.sandbox_id
+    scratch = forkyard_server.data_dir / "sandboxes" / sbx.sandbox_id
     assert (scratch / "layers.json").exists()
     resumed = Sandbox.connect(sbx.sandbox_id)
     assert resumed.files.read("/home/user/kept.txt") == "kept"
@@ -176,7 +176,7 @@ def test_filesystem_only_pause(sbx: Sandbox, agentenv_server: ServerProcess) -> 
     assert not scratch.exists()
 
 
-def test_auto_pause_without_memory(agentenv_server: ServerProcess) -> None:
+def test_auto_pause_without_memory(forkyard_server: ServerProcess) -> None:
     """``lifecycle`` with ``mode: filesystem`` (``autoPauseMemory: false``): the timeout's pause
     is filesystem-only."""
     sbx = Sandbox.create(timeout=4, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
@@ -191,8 +191,8 @@ def test_auto_pause_without_memory(agentenv_server: ServerProcess) -> None:
         Sandbox.kill(sbx.sandbox_id)
     # The SDK refuses the combination itself; the API does too (openapi.yml autoPauseMemory).
     resp = httpx.post(
-        agentenv_server.url + "/sandboxes",
-        headers=agentenv_server.headers,
+        forkyard_server.url + "/sandboxes",
+        headers=forkyard_server.headers,
         json={
             "templateID": "base",
             "autoPause": True,
@@ -220,12 +220,12 @@ def test_sudo_for_user(sbx: Sandbox) -> None:
     assert sbx.commands.run("sudo -n id -u", user="user").stdout == "0\n"
 
 
-def test_signed_urls_through_the_sandbox_url(sbx: Sandbox, agentenv_server: ServerProcess) -> None:
+def test_signed_urls_through_the_sandbox_url(sbx: Sandbox, forkyard_server: ServerProcess) -> None:
     """With ``E2B_SANDBOX_URL`` the SDK's signed URLs carry no routing (no header, no host name):
     the proxy finds the sandbox whose token signs them."""
-    assert sbx.envd_api_url == agentenv_server.url
+    assert sbx.envd_api_url == forkyard_server.url
     up = sbx.upload_url("/home/user/signed.txt", use_signature_expiration=60)
-    assert up.startswith(agentenv_server.url + "/files?")
+    assert up.startswith(forkyard_server.url + "/files?")
     done = httpx.post(up, files={"file": ("signed.txt", b"via url")})
     assert done.status_code == 200, done.text
     down = sbx.download_url("/home/user/signed.txt", use_signature_expiration=60)
@@ -234,7 +234,7 @@ def test_signed_urls_through_the_sandbox_url(sbx: Sandbox, agentenv_server: Serv
 
     # An expired signature (signed 10 s in the past): E2B envd's own 401 (auth.go validateSigning).
     sig = get_signature("/home/user/signed.txt", "read", None, sbx._envd_access_token, -10)
-    expired = f"{agentenv_server.url}/files?" + urllib.parse.urlencode(
+    expired = f"{forkyard_server.url}/files?" + urllib.parse.urlencode(
         {
             "path": "/home/user/signed.txt",
             "signature": sig["signature"],
@@ -247,23 +247,23 @@ def test_signed_urls_through_the_sandbox_url(sbx: Sandbox, agentenv_server: Serv
     assert httpx.get(forged).status_code in (401, 404)
 
 
-def test_node_metrics(sbx: Sandbox, agentenv_server: ServerProcess) -> None:
+def test_node_metrics(sbx: Sandbox, forkyard_server: ServerProcess) -> None:
     """``GET /metrics`` (our extension): sandboxes by state, tier and runtime, lifecycle latency
     histograms, node capacity beside what sandboxes are allotted."""
     sbx.commands.run("true")
-    resp = httpx.get(agentenv_server.url + "/metrics", headers=agentenv_server.headers)
+    resp = httpx.get(forkyard_server.url + "/metrics", headers=forkyard_server.headers)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     text = resp.text
-    assert 'agentenv_sandboxes{runtime="gvisor",state="running",tier=""}' in text
-    assert "# TYPE agentenv_lifecycle_seconds histogram" in text
+    assert 'forkyard_sandboxes{runtime="gvisor",state="running",tier=""}' in text
+    assert "# TYPE forkyard_lifecycle_seconds histogram" in text
     assert 'le="+Inf",operation="create"}' in text
     for line in (
-        "agentenv_node_cpus ",
-        'agentenv_node_memory_bytes{kind="total"}',
-        'agentenv_node_memory_bytes{kind="available"}',
-        'agentenv_node_disk_bytes{kind="free"}',
-        'agentenv_node_allotted{resource="vcpus"}',
-        'agentenv_node_allotted{resource="memory_bytes"}',
+        "forkyard_node_cpus ",
+        'forkyard_node_memory_bytes{kind="total"}',
+        'forkyard_node_memory_bytes{kind="available"}',
+        'forkyard_node_disk_bytes{kind="free"}',
+        'forkyard_node_allotted{resource="vcpus"}',
+        'forkyard_node_allotted{resource="memory_bytes"}',
     ):
         assert line in text, line
-    assert httpx.get(agentenv_server.url + "/metrics").status_code == 401
+    assert httpx.get(forkyard_server.url + "/metrics").status_code == 401

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.requires_root("runs a server with real gVisor sandboxes
 
 
 @pytest.fixture(scope="module")
-def sbx(agentenv_server: ServerProcess) -> Iterator[Sandbox]:
+def sbx(forkyard_server: ServerProcess) -> Iterator[Sandbox]:
     sandbox = Sandbox.create(timeout=300, metadata={"suite": "envd-permissions"})
     try:
         yield sandbox
@@ -60,8 +60,8 @@ def test_write_outside_the_users_rights_fails_and_leaves_nothing(sbx: Sandbox) -
         sbx.files.write("/etc/hostname", "pwned", user="user")
     assert "pwned" not in _as_root(sbx, "cat /etc/hostname")
     # Root may.
-    sbx.files.write("/etc/agentenv-root-file", "ok", user="root")
-    assert _as_root(sbx, "stat -c '%U:%G' /etc/agentenv-root-file").strip() == "root:root"
+    sbx.files.write("/etc/forkyard-root-file", "ok", user="root")
+    assert _as_root(sbx, "stat -c '%U:%G' /etc/forkyard-root-file").strip() == "root:root"
 
 
 def test_what_the_user_creates_is_theirs(sbx: Sandbox) -> None:
@@ -81,17 +81,17 @@ def test_what_the_user_creates_is_theirs(sbx: Sandbox) -> None:
     assert _as_root(sbx, "stat -c '%U' /tmp/root-tmp.txt").strip() == "root"
     # Nor replace root's file where they may not write (the upload is renamed into place).
     with pytest.raises(SandboxException):
-        sbx.files.write("/etc/agentenv-root-file", "u", user="user")
+        sbx.files.write("/etc/forkyard-root-file", "u", user="user")
 
 
 def test_filesystem_rpcs_act_as_the_user(sbx: Sandbox) -> None:
-    _as_root(sbx, "mkdir -p /root/secret && echo s > /root/secret/f && touch /etc/agentenv-keep")
+    _as_root(sbx, "mkdir -p /root/secret && echo s > /root/secret/f && touch /etc/forkyard-keep")
     attempts = {
         "list": lambda: sbx.files.list("/root", user="user"),
         "get_info": lambda: sbx.files.get_info("/root/secret/f", user="user"),
-        "make_dir": lambda: sbx.files.make_dir("/etc/agentenv-dir", user="user"),
-        "rename": lambda: sbx.files.rename("/etc/agentenv-keep", "/home/user/stolen", user="user"),
-        "remove": lambda: sbx.files.remove("/etc/agentenv-keep", user="user"),
+        "make_dir": lambda: sbx.files.make_dir("/etc/forkyard-dir", user="user"),
+        "rename": lambda: sbx.files.rename("/etc/forkyard-keep", "/home/user/stolen", user="user"),
+        "remove": lambda: sbx.files.remove("/etc/forkyard-keep", user="user"),
         "watch_dir": lambda: sbx.files.watch_dir("/root", user="user"),
     }
     allowed = []
@@ -104,8 +104,8 @@ def test_filesystem_rpcs_act_as_the_user(sbx: Sandbox) -> None:
         else:
             allowed.append(name)
     assert allowed == [], _as_root(sbx, "stat -c '%A %U %n' /root /root/secret /etc")
-    assert _as_root(sbx, "ls /etc/agentenv-keep; test -e /etc/agentenv-dir || echo absent").split() == [
-        "/etc/agentenv-keep",
+    assert _as_root(sbx, "ls /etc/forkyard-keep; test -e /etc/forkyard-dir || echo absent").split() == [
+        "/etc/forkyard-keep",
         "absent",
     ]
     # Root's RPCs see everything, as before.
@@ -155,7 +155,7 @@ def test_envd_cannot_be_attached_or_read_by_root(sbx: Sandbox) -> None:
     gVisor: every later call timed out). envd is not dumpable and CAP_SYS_PTRACE is out of
     every process it starts, so the attach and /proc/<envd>/mem are refused (EPERM/EACCES)
     while root still traces its own processes."""
-    envd_pid = _as_root(sbx, "ps -eo pid,args | awk '/agentenv.(bin.)?envd/ {print $1; exit}'").strip() or "1"
+    envd_pid = _as_root(sbx, "ps -eo pid,args | awk '/forkyard.(bin.)?envd/ {print $1; exit}'").strip() or "1"
     sbx.files.write("/tmp/tracer.py", _TRACER, user="root")
     output = _as_root(sbx, f"python3 /tmp/tracer.py {envd_pid}")
     lines = dict(line.split(" ", 1) for line in output.splitlines())

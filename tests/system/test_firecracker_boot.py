@@ -1,6 +1,6 @@
 """A real Firecracker microVM: boot from the ``base`` template, snapshot, restore into a second
 VM, both answer envd's /health; nothing of either left afterwards. Needs root, KVM that can boot
-guests (vmx/svm, or PVM with AGENTENV_FIRECRACKER__PVM) and a firecracker binary; skips, printing
+guests (vmx/svm, or PVM with FORKYARD_FIRECRACKER__PVM) and a firecracker binary; skips, printing
 why, elsewhere (the API bodies and memory merging are unit-tested in
 tests/unit/test_firecracker.py)."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import Settings
-from agentenv.runtime.firecracker.runtime import FirecrackerRuntime
-from agentenv.types import SandboxSpec, SnapshotRef, TemplateImage
+from forkyard.config import Settings
+from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
+from forkyard.types import SandboxSpec, SnapshotRef, TemplateImage
 
 pytestmark = [pytest.mark.requires_root("microVMs (netns, tap, /dev/kvm)"), pytest.mark.kvm]
 
@@ -23,9 +23,9 @@ def _real_firecracker_reason(runtime: FirecrackerRuntime) -> str | None:
     reason = runtime.probe()
     if reason is not None:
         return reason
-    rootfs = Path("/var/lib/agentenv/templates/base/rootfs")
+    rootfs = Path("/var/lib/forkyard/templates/base/rootfs")
     if not rootfs.is_dir():
-        return f"base template {rootfs} is missing (agentenv template build)"
+        return f"base template {rootfs} is missing (forkyard template build)"
     return None
 
 
@@ -38,7 +38,7 @@ async def test_real_firecracker_boot_snapshot_restore(tmp_path: Path) -> None:
         pytest.skip(reason)
     import httpx
 
-    template = TemplateImage("base", Path("/var/lib/agentenv/templates/base/rootfs"), vcpus=1, memory_mb=512)
+    template = TemplateImage("base", Path("/var/lib/forkyard/templates/base/rootfs"), vcpus=1, memory_mb=512)
     suffix = uuid.uuid4().hex[:6]
     spec = SandboxSpec(f"fc{suffix}", template)
     instance = await runtime.create(spec)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.firecracker.uffd import uffd_api, uffd_register, userfaultfd
+from forkyard.runtime.firecracker.uffd import uffd_api, uffd_register, userfaultfd
 
 PAGE = 4096
 PAGES = 64
@@ -41,7 +41,7 @@ def test_handler_serves_pages_from_the_snapshot_memory_file(tmp_path: Path) -> N
 
     sock = Path("/tmp") / f"aeuffd-{uuid.uuid4().hex[:8]}.sock"
     handler = subprocess.Popen(
-        [sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(sock), str(memory)],
+        [sys.executable, "-m", "forkyard.runtime.firecracker.uffd", str(sock), str(memory)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -77,7 +77,7 @@ def test_handler_rejects_a_connection_without_a_userfaultfd(tmp_path: Path) -> N
     memory.write_bytes(b"\0" * PAGE)
     sock = Path("/tmp") / f"aeuffd-{uuid.uuid4().hex[:8]}.sock"
     handler = subprocess.Popen(
-        [sys.executable, "-m", "agentenv.runtime.firecracker.uffd", str(sock), str(memory)],
+        [sys.executable, "-m", "forkyard.runtime.firecracker.uffd", str(sock), str(memory)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,11 +1,11 @@
 """A bounded fuzz run of the control plane from E2B's openapi.yml: no request may get a 5xx.
 
 schemathesis (pinned in pyproject's ``test`` extra) generates requests for every operation of
-``/work/shared/e2b-spec/openapi.yml`` (``AGENTENV_E2B_SPEC`` to point elsewhere), valid and
+``/work/shared/e2b-spec/openapi.yml`` (``FORKYARD_E2B_SPEC`` to point elsewhere), valid and
 invalid ones (wrong types, missing fields, odd strings in paths, queries and headers), and
-sends them to a real ``agentenv serve`` with the API key. Every answer must be below 500 (a
+sends them to a real ``forkyard serve`` with the API key. Every answer must be below 500 (a
 4xx in E2B's shape, or success). Derandomised: each run sends the same requests, so a failure
-reproduces; ``AGENTENV_FUZZ_EXAMPLES`` (default 12) bounds the examples per operation.
+reproduces; ``FORKYARD_FUZZ_EXAMPLES`` (default 12) bounds the examples per operation.
 
 The server has an empty template directory of its own, so nothing the fuzzer sends can start
 a sandbox or a build from the shared cache, or delete a template in it (``DELETE
@@ -28,13 +28,13 @@ from hypothesis import HealthCheck, settings  # noqa: E402 - only once schemathe
 
 from tests.support.server import ServerProcess, serve  # noqa: E402
 
-SPEC = Path(os.environ.get("AGENTENV_E2B_SPEC", "/work/shared/e2b-spec/openapi.yml"))
-EXAMPLES = int(os.environ.get("AGENTENV_FUZZ_EXAMPLES", "12"))
+SPEC = Path(os.environ.get("FORKYARD_E2B_SPEC", "/work/shared/e2b-spec/openapi.yml"))
+EXAMPLES = int(os.environ.get("FORKYARD_FUZZ_EXAMPLES", "12"))
 
-pytestmark = pytest.mark.requires_root("runs a real agentenv server")
+pytestmark = pytest.mark.requires_root("runs a real forkyard server")
 
 if not SPEC.exists():
-    pytest.skip(f"E2B's openapi.yml is not at {SPEC} (set AGENTENV_E2B_SPEC)", allow_module_level=True)
+    pytest.skip(f"E2B's openapi.yml is not at {SPEC} (set FORKYARD_E2B_SPEC)", allow_module_level=True)
 
 schema = schemathesis.openapi.from_path(SPEC)
 
@@ -42,8 +42,8 @@ schema = schemathesis.openapi.from_path(SPEC)
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[ServerProcess]:
     with (
-        tempfile.TemporaryDirectory(prefix="agentenv-fuzz-templates-") as templates,
-        serve(prefix="agentenv-fuzz-", extra_env={"AGENTENV_TEMPLATES_PATH": templates}) as server,
+        tempfile.TemporaryDirectory(prefix="forkyard-fuzz-templates-") as templates,
+        serve(prefix="forkyard-fuzz-", extra_env={"FORKYARD_TEMPLATES_PATH": templates}) as server,
     ):
         yield server
 

@@ -15,12 +15,12 @@ from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from agentenv.config import GvisorSettings
-from agentenv.errors import Failed, Gone
-from agentenv.runtime.gvisor import cgroups, disk, platforms
-from agentenv.runtime.gvisor.runsc import CONTROL_SOCKET_DIRS, Runsc
-from agentenv.runtime.gvisor.runtime import GvisorRuntime
-from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
+from forkyard.config import GvisorSettings
+from forkyard.errors import Failed, Gone
+from forkyard.runtime.gvisor import cgroups, disk, platforms
+from forkyard.runtime.gvisor.runsc import CONTROL_SOCKET_DIRS, Runsc
+from forkyard.runtime.gvisor.runtime import GvisorRuntime
+from forkyard.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import leaks, unique_id
 from tests.support.fixtures import RuntimeFactory, SandboxFactory
 
@@ -95,7 +95,7 @@ def leftovers(runtime: GvisorRuntime, sandbox_id: str) -> dict[str, object]:
 async def test_probe_and_platform(gvisor: GvisorRuntime) -> None:
     assert gvisor.probe() is None
     # kvm only where /dev/kvm can run hardware-virtualised guests; this check must agree.
-    from agentenv.runtime.kvm import kvm_unusable_reason
+    from forkyard.runtime.kvm import kvm_unusable_reason
 
     assert gvisor.runsc.platform() in ("kvm", "ptrace", "systrap")
     if kvm_unusable_reason() is not None:
@@ -116,7 +116,7 @@ async def test_auto_platform_is_measured_once_and_cached(gvisor: GvisorRuntime, 
     assert all(set(m) == set(platforms.WEIGHTS) and min(m.values()) > 0 for m in measured.values())
     assert not (tmp_path / "probe").exists()  # the probe's runsc root and containers are gone
 
-    import agentenv.runtime.gvisor.runsc as runsc_module
+    import forkyard.runtime.gvisor.runsc as runsc_module
 
     runsc_module._auto_platforms.clear()  # a new process: only the file remembers
     started = time.monotonic()
@@ -137,14 +137,14 @@ async def test_create_health_command_kill(
     gvisor: GvisorRuntime, base_template: TemplateImage, sandbox_factory: SandboxFactory
 ) -> None:
     started = time.monotonic()
-    instance = await sandbox_factory(gvisor, envs={"AGENTENV_TEST_VAR": "from-spec"})
+    instance = await sandbox_factory(gvisor, envs={"FORKYARD_TEST_VAR": "from-spec"})
     print(f"\ngvisor create to /health: {time.monotonic() - started:.2f}s")
     async with httpx.AsyncClient(trust_env=False) as client:
         response = await client.get(f"{instance.envd_url}/health")
     assert response.status_code == 204
     assert await gvisor.is_alive(instance)
 
-    code, out = await run(instance, "cat /etc/debian_version; echo $AGENTENV_TEST_VAR; id -un; hostname")
+    code, out = await run(instance, "cat /etc/debian_version; echo $FORKYARD_TEST_VAR; id -un; hostname")
     assert code == 0, out
     lines = out.split()
     assert lines[0].startswith("12")  # the base template is bookworm
@@ -186,8 +186,8 @@ async def test_python_in_sandbox_is_the_templates(
 async def test_limits_in_oci_spec(gvisor: GvisorRuntime, base_template: TemplateImage) -> None:
     from dataclasses import replace
 
-    from agentenv.runtime.gvisor.runtime import HOST_PIDS_LIMIT, NPROC_LIMIT
-    from agentenv.runtime.network import SandboxNetwork
+    from forkyard.runtime.gvisor.runtime import HOST_PIDS_LIMIT, NPROC_LIMIT
+    from forkyard.runtime.network import SandboxNetwork
 
     tpl = replace(base_template, vcpus=3, memory_mb=768)
     spec = SandboxSpec(sandbox_id="specid", template=tpl, envs={"A": "b"}, envd_access_token="tok")
@@ -202,10 +202,10 @@ async def test_limits_in_oci_spec(gvisor: GvisorRuntime, base_template: Template
     tmp = next(m for m in config["mounts"] if m["destination"] == "/tmp")
     assert "size=384m" in tmp["options"]  # half the memory
     assert {"type": "network", "path": "/var/run/netns/ae-specid"} in config["linux"]["namespaces"]
-    assert "A=b" in config["process"]["env"] and "AGENTENV_ENVD_ACCESS_TOKEN=tok" in config["process"]["env"]
-    loader = ["/.agentenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.agentenv/lib"]
+    assert "A=b" in config["process"]["env"] and "FORKYARD_ENVD_ACCESS_TOKEN=tok" in config["process"]["env"]
+    loader = ["/.forkyard/lib/ld-linux-x86-64.so.2", "--library-path", "/.forkyard/lib"]
     assert config["process"]["args"][:3] == loader
-    bundle_mount = next(m for m in config["mounts"] if m["destination"] == "/.agentenv")
+    bundle_mount = next(m for m in config["mounts"] if m["destination"] == "/.forkyard")
     assert bundle_mount["source"] == "/b" and "ro" in bundle_mount["options"]
 
 
@@ -225,7 +225,7 @@ async def test_envd_that_never_answers_times_out(
     gvisor: GvisorRuntime, base_template: TemplateImage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """envd starts but never listens where expected: timeout error and full clean-up."""
-    import agentenv.runtime.gvisor.runtime as gv
+    import forkyard.runtime.gvisor.runtime as gv
 
     monkeypatch.setattr(gv, "envd_argv", lambda port: ["/bin/sleep", "600"])
     monkeypatch.setattr(gv, "ENVD_START_TIMEOUT", 3.0)
@@ -352,12 +352,12 @@ async def test_a_restore_whose_disk_fails_leaves_nothing_of_its_network(
     meta = json.loads(meta_file.read_text())
     meta["layers"] = ["l00000000deadbeef", *meta["layers"]]
     meta_file.write_text(json.dumps(meta))
-    links, namespaces = leaks.host_links(), leaks.agentenv_netns()
+    links, namespaces = leaks.host_links(), leaks.forkyard_netns()
     child = SandboxSpec(sandbox_id=unique_id("child"), template=base_template)
     with pytest.raises(Gone, match="l00000000deadbeef"):
         await gvisor.restore(child, ref)
     assert leftovers(gvisor, child.sandbox_id) == {}
-    assert leaks.host_links() == links and leaks.agentenv_netns() == namespaces
+    assert leaks.host_links() == links and leaks.forkyard_netns() == namespaces
 
 
 async def test_a_file_the_sandbox_maps_shared_is_seen_and_not_precopied(
@@ -413,8 +413,8 @@ async def test_upper_deltas_stack_to_the_upper(tmp_path: Path) -> None:
     changed, renamed, chmodded, hard-linked and deleted entries, a directory deleted and made
     anew (whose old entries must not show through), a file from the template deleted, and an
     opaque directory that changes again."""
-    from agentenv.runtime.gvisor import upper_delta
-    from agentenv.storage.layers import overlay_mount, overlay_unmount
+    from forkyard.runtime.gvisor import upper_delta
+    from forkyard.storage.layers import overlay_mount, overlay_unmount
 
     lower, upper, work, live, view = (tmp_path / n for n in ("lower", "upper", "work", "live", "view"))
     for d in (lower / "etc", upper, work, live, view):

@@ -15,9 +15,9 @@ import pytest
 from e2b.envd.client_shared import ENVD_JSON_CODEC
 from e2b.envd.process import process_connect, process_pb
 
-from agentenv.config import Settings
-from agentenv.runtime.gvisor.runtime import GvisorRuntime
-from agentenv.storage.envd_bundle import (
+from forkyard.config import Settings
+from forkyard.runtime.gvisor.runtime import GvisorRuntime
+from forkyard.storage.envd_bundle import (
     LOADER_NAME,
     STDLIB_REL,
     build_envd_bundle,
@@ -25,8 +25,8 @@ from agentenv.storage.envd_bundle import (
     envd_argv,
     envd_env,
 )
-from agentenv.storage.templates import build_template
-from agentenv.types import SandboxInstance
+from forkyard.storage.templates import build_template
+from forkyard.types import SandboxInstance
 from tests.support import SHARED_TEMPLATES
 from tests.support.fixtures import RuntimeFactory, SandboxFactory
 
@@ -42,30 +42,30 @@ def test_bundle_layout_and_pruning(envd_bundle: Path) -> None:
         assert not (stdlib / pruned).exists(), pruned
     assert not list(stdlib.glob("config-*"))
     site = stdlib / "site-packages"
-    for needed in ("starlette", "uvicorn", "h11", "anyio", "connectrpc", "agentenv/envd"):
+    for needed in ("starlette", "uvicorn", "h11", "anyio", "connectrpc", "forkyard/envd"):
         assert (site / needed).is_dir(), needed
     assert not (site / "fastapi").exists() and not (site / "pydantic").exists()  # not envd's
     assert not list(site.glob("*.pth"))  # no editable-install hooks pointing at the host
-    assert list((site / "agentenv/envd/__pycache__").glob("server.cpython-*.pyc"))
+    assert list((site / "forkyard/envd/__pycache__").glob("server.cpython-*.pyc"))
     lib = envd_bundle / "lib"
     for name in (LOADER_NAME, "libc.so.6", "libpython3.11.so.1.0", "libssl.so.3", "libgcc_s.so.1"):
         assert (lib / name).is_file(), name
     python = str(envd_bundle / "bin/python3")
     interp = subprocess.run(["readelf", "-l", python], capture_output=True, text=True)
-    assert f"/.agentenv/lib/{LOADER_NAME}" in interp.stdout
-    assert (envd_bundle / "bin/envd").read_text().startswith("#!/.agentenv/bin/python3 -I\n")
+    assert f"/.forkyard/lib/{LOADER_NAME}" in interp.stdout
+    assert (envd_bundle / "bin/envd").read_text().startswith("#!/.forkyard/bin/python3 -I\n")
     print(f"\nenvd bundle: {manifest['size_bytes'] / 1e6:.1f} MB, {len(manifest['libraries'])} libraries")
 
 
 def test_argv_and_env_do_not_leak_the_bundle() -> None:
     argv = envd_argv()
     assert argv[:4] == [
-        "/.agentenv/lib/ld-linux-x86-64.so.2",
+        "/.forkyard/lib/ld-linux-x86-64.so.2",
         "--library-path",
-        "/.agentenv/lib",
-        "/.agentenv/bin/python3",
+        "/.forkyard/lib",
+        "/.forkyard/bin/python3",
     ]
-    assert argv[4:7] == ["-I", "-m", "agentenv.envd"]
+    assert argv[4:7] == ["-I", "-m", "forkyard.envd"]
     env = envd_env({"FOO": "bar"})
     assert env["FOO"] == "bar" and not any(k.startswith("PYTHON") for k in env)
 
@@ -87,16 +87,16 @@ def test_bundle_runs_in_busybox_chroot(envd_bundle: Path, tmp_path: Path) -> Non
     """Outside any sandbox: chroot into a busybox-only tree with the bundle bind-mounted."""
     settings = Settings(data_dir=tmp_path / "data", templates_path=tmp_path / "templates")
     rootfs = build_template("busybox", settings).rootfs
-    target = rootfs / ".agentenv"
+    target = rootfs / ".forkyard"
     subprocess.run(["mount", "--bind", "-o", "ro", str(envd_bundle), str(target)], check=True)
     try:
-        code = "import sys, agentenv.envd.server, ssl, json; print(sys.prefix, sys.version_info[:2])"
+        code = "import sys, forkyard.envd.server, ssl, json; print(sys.prefix, sys.version_info[:2])"
         argv = [*envd_argv()[:4], "-I", "-c", code]
         out = subprocess.run([CHROOT, str(rootfs), *argv], capture_output=True, text=True, env={}, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split()[0] == "/.agentenv"
+        assert out.stdout.split()[0] == "/.forkyard"
         launcher = subprocess.run(
-            [CHROOT, str(rootfs), "/.agentenv/bin/envd", "--help"],
+            [CHROOT, str(rootfs), "/.forkyard/bin/envd", "--help"],
             capture_output=True,
             text=True,
             env={},
@@ -113,7 +113,7 @@ def run_sh(instance: SandboxInstance, script: str) -> tuple[int, bytes]:
     client = process_connect.ProcessClientSync(instance.envd_url, codec=ENVD_JSON_CODEC)
     request = process_pb.StartRequest(process=process_pb.ProcessConfig(cmd="/bin/sh", args=["-c", script]))
     output, exit_code = b"", -1
-    for message in client.start(request, timeout_ms=30_000, headers={"User-Agent": "agentenv-test"}):
+    for message in client.start(request, timeout_ms=30_000, headers={"User-Agent": "forkyard-test"}):
         event = message.event.event if message.event else None
         if event is None:
             continue

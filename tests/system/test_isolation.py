@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from agentenv.config import Settings
-from agentenv.runtime.gvisor.runtime import GvisorRuntime
-from agentenv.types import SandboxInstance, SandboxSpec, TemplateImage
+from forkyard.config import Settings
+from forkyard.runtime.gvisor.runtime import GvisorRuntime
+from forkyard.types import SandboxInstance, SandboxSpec, TemplateImage
 from tests.support import SHARED_TEMPLATES, unique_id
 from tests.system.test_gvisor import leftovers, run
 
@@ -176,7 +176,7 @@ async def test_cannot_see_host_processes(offline: SandboxInstance) -> None:
         pids = [int(p) for p in out.split() if p.isdigit()]
         assert len(pids) < 20, f"sandbox sees {len(pids)} processes: {pids}"
         _, out = await run(offline, "cat /proc/1/cmdline | tr '\\0' ' '")
-        assert "agentenv.envd" in out, out  # pid 1 is envd, not the host's init
+        assert "forkyard.envd" in out, out  # pid 1 is envd, not the host's init
     finally:
         host_proc.kill()
         await host_proc.wait()

@@ -1,4 +1,4 @@
-"""The official JS SDK (npm ``e2b``, tests/js/package.json) against a real ``agentenv serve``."""
+"""The official JS SDK (npm ``e2b``, tests/js/package.json) against a real ``forkyard serve``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.support.server import ServerProcess
 JS_DIR = TESTS / "js"
 
 
-def test_js_sdk_create_run_write_read_kill(agentenv_server: ServerProcess) -> None:
+def test_js_sdk_create_run_write_read_kill(forkyard_server: ServerProcess) -> None:
     if shutil.which("node") is None:
         pytest.fail("node is not installed (scripts/bootstrap.sh --test installs it)")
     if not (JS_DIR / "node_modules" / "e2b").is_dir():
@@ -27,7 +27,7 @@ def test_js_sdk_create_run_write_read_kill(agentenv_server: ServerProcess) -> No
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, **agentenv_server.sdk_env},
+        env={**os.environ, **forkyard_server.sdk_env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.storage.layers import (
+from forkyard.storage.layers import (
     MAX_LOWERS,
     OPAQUE_XATTR,
     WHITEOUT_XATTR,

@@ -58,7 +58,7 @@ def _templates_dir() -> Path:
 def server() -> Iterator[ServerProcess]:
     templates = _templates_dir()
     # Pauses go to disk (the frozen tier keeps the sandbox as it is: nothing to re-enforce).
-    env = {"AGENTENV_TEMPLATES_PATH": str(templates), "AGENTENV_PAUSE_FREEZE": "false"}
+    env = {"FORKYARD_TEMPLATES_PATH": str(templates), "FORKYARD_PAUSE_FREEZE": "false"}
     with serve(prefix="ae-lim-", runtime="gvisor", extra_env=env) as srv:
         saved = {k: os.environ.get(k) for k in srv.sdk_env}
         os.environ.update(srv.sdk_env)  # Sandbox.list/kill/connect by id find this server

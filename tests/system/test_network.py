@@ -1,4 +1,4 @@
-"""agentenv.runtime.network on the real kernel: netns, veth, iptables, slots (no runsc needed).
+"""forkyard.runtime.network on the real kernel: netns, veth, iptables, slots (no runsc needed).
 
 The sandbox side is driven with ``ip netns exec`` (the host kernel's stack inside the netns),
 which is what a microVM runtime's tap and gVisor's netstack both sit behind.
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from agentenv.config import Settings
-from agentenv.errors import Invalid
-from agentenv.runtime import egress_proxy, network
-from agentenv.runtime.network import NetworkError, SandboxNetwork
+from forkyard.config import Settings
+from forkyard.errors import Invalid
+from forkyard.runtime import egress_proxy, network
+from forkyard.runtime.network import NetworkError, SandboxNetwork
 from tests.support import unique_id
 
 pytestmark = [
@@ -57,8 +57,8 @@ def connect_in(netns: str, host: str, port: int) -> bool:
 
 
 def tagged_rules(net: SandboxNetwork) -> dict[str, list[str]]:
-    """table -> the rules of chain AGENTENV tagged with ``net``'s netns, as ``iptables -S`` shows them
-    (``nat-pre``: those of AGENTENV-PRE, the nat PREROUTING chain)."""
+    """table -> the rules of chain FORKYARD tagged with ``net``'s netns, as ``iptables -S`` shows them
+    (``nat-pre``: those of FORKYARD-PRE, the nat PREROUTING chain)."""
     chains = {
         "filter": ("filter", network.CHAIN),
         "nat": ("nat", network.CHAIN),
@@ -78,18 +78,18 @@ def expected_rules(net: SandboxNetwork, subnet: str) -> dict[str, list[str]]:
     tag = f"-m comment --comment {net.netns}"
     hif = net.host_if
     filter_rules = [
-        f"-A AGENTENV -i {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
+        f"-A FORKYARD -i {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
         # Only what the redirect chain sent to the egress proxy enters the host.
-        f"-A AGENTENV -i {hif} -p tcp -m conntrack --ctstate DNAT --ctorigdstport 80 {tag} -j ACCEPT",
-        f"-A AGENTENV -i {hif} -p tcp -m conntrack --ctstate DNAT --ctorigdstport 443 {tag} -j ACCEPT",
-        f"-A AGENTENV -i {hif} -m addrtype --dst-type LOCAL {tag} -j DROP",
-        f"-A AGENTENV -d {subnet} -i {hif} {tag} -j DROP",
-        f"-A AGENTENV -i {hif} {tag} -j {network.egress_chain(net)}",
-        f"-A AGENTENV -o {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
-        f"-A AGENTENV -o {hif} {tag} -j DROP",
+        f"-A FORKYARD -i {hif} -p tcp -m conntrack --ctstate DNAT --ctorigdstport 80 {tag} -j ACCEPT",
+        f"-A FORKYARD -i {hif} -p tcp -m conntrack --ctstate DNAT --ctorigdstport 443 {tag} -j ACCEPT",
+        f"-A FORKYARD -i {hif} -m addrtype --dst-type LOCAL {tag} -j DROP",
+        f"-A FORKYARD -d {subnet} -i {hif} {tag} -j DROP",
+        f"-A FORKYARD -i {hif} {tag} -j {network.egress_chain(net)}",
+        f"-A FORKYARD -o {hif} -m conntrack --ctstate RELATED,ESTABLISHED {tag} -j ACCEPT",
+        f"-A FORKYARD -o {hif} {tag} -j DROP",
     ]
-    nat = [f"-A AGENTENV -s {net.sandbox_ip}/32 ! -d {subnet} {tag} -j MASQUERADE"]
-    pre = [f"-A AGENTENV-PRE -i {hif} -p tcp {tag} -j {network.redirect_chain(net)}"]
+    nat = [f"-A FORKYARD -s {net.sandbox_ip}/32 ! -d {subnet} {tag} -j MASQUERADE"]
+    pre = [f"-A FORKYARD-PRE -i {hif} -p tcp {tag} -j {network.redirect_chain(net)}"]
     return {"filter": filter_rules, "nat": nat, "nat-pre": pre}
 
 
@@ -205,8 +205,8 @@ async def test_concurrent_setups_in_one_and_many_processes(
     nets.extend(results)
     code = (
         "import asyncio, sys\n"
-        "from agentenv.config import Settings\n"
-        "from agentenv.runtime import network\n"
+        "from forkyard.config import Settings\n"
+        "from forkyard.runtime import network\n"
         "s = Settings(data_dir=sys.argv[1], sandbox_subnet=sys.argv[2])\n"
         "print(asyncio.run(network.setup_network(s, sys.argv[3], allow_internet_access=False)).slot)\n"
     )
@@ -249,13 +249,13 @@ async def test_exact_state_after_setup_and_nothing_after_teardown(
     redirect = network.redirect_chain(net)
     assert sh("iptables", "-t", "nat", "-S", redirect).splitlines() == [f"-N {redirect}"]
     assert (
-        "-A PREROUTING -i aeh+ -j AGENTENV-PRE"
+        "-A PREROUTING -i aeh+ -j FORKYARD-PRE"
         in sh("iptables", "-t", "nat", "-S", "PREROUTING").splitlines()
     )
     # The hooks into the chains (shared by every sandbox) are there.
-    assert "-A INPUT -i aeh+ -j AGENTENV" in sh("iptables", "-S", "INPUT").splitlines()
-    assert "-A FORWARD -j AGENTENV" in sh("iptables", "-S", "FORWARD").splitlines()
-    assert "-A POSTROUTING -j AGENTENV" in sh("iptables", "-t", "nat", "-S", "POSTROUTING").splitlines()
+    assert "-A INPUT -i aeh+ -j FORKYARD" in sh("iptables", "-S", "INPUT").splitlines()
+    assert "-A FORWARD -j FORKYARD" in sh("iptables", "-S", "FORWARD").splitlines()
+    assert "-A POSTROUTING -j FORKYARD" in sh("iptables", "-t", "nat", "-S", "POSTROUTING").splitlines()
     host = sh("ip", "-o", "-4", "addr", "show", "dev", net.host_if).split()
     assert host[host.index("inet") + 1] == f"{net.host_ip}/30"
     assert "LOWER_UP" in sh("ip", "link", "show", net.host_if)
@@ -306,7 +306,7 @@ async def test_concurrent_setups_and_teardowns_share_rule_commits(
     assert len(restores) == 1
     assert sorted(restores[0]["filter"]) == sorted(
         [
-            f"-D AGENTENV {' '.join(rule)}"
+            f"-D FORKYARD {' '.join(rule)}"
             for n in created
             for rule in network.sandbox_rules(n, settings.sandbox_subnet)["filter"]
         ]

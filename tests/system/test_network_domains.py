@@ -4,7 +4,7 @@ host of our own.
 The test host is a network namespace holding 203.0.113.10 (TEST-NET-3: not private, so only the
 policy decides) with HTTPS (a self-signed certificate) on 443, HTTP on 80 and HTTP on 8443, routed
 from the host over a veth, so no packet leaves the machine. The egress proxy resolves allowed
-names with a DNS server of the test's own (``AGENTENV_EGRESS_RESOLVER``, dnslib's server) that
+names with a DNS server of the test's own (``FORKYARD_EGRESS_RESOLVER``, dnslib's server) that
 answers every ``*.example`` and ``*.example.org`` name with that address. Inside the sandbox,
 ``curl --resolve`` points names at addresses the way a sandbox's own resolver would.
 """
@@ -150,7 +150,7 @@ def node() -> Iterator[Node]:
         dns.start_thread()
         resolver = f"127.0.0.1:{dns.server.server_address[1]}"
         # Pauses go to disk: the network is torn down and rebuilt from the record on resume.
-        env = {"AGENTENV_EGRESS_RESOLVER": resolver, "AGENTENV_PAUSE_FREEZE": "false"}
+        env = {"FORKYARD_EGRESS_RESOLVER": resolver, "FORKYARD_PAUSE_FREEZE": "false"}
         found = Node(start_server(work / "data", extra_env=env), env)
         yield found
     finally:

@@ -135,7 +135,7 @@ def expect(open_: set[str], hosts: ProbeHosts) -> dict[str, str]:
 
 
 def test_defaults_deny_private_ranges_and_policy_opens_them_on_a_live_sandbox(
-    agentenv_server: ServerProcess, hosts: ProbeHosts
+    forkyard_server: ServerProcess, hosts: ProbeHosts
 ) -> None:
     sbx = Sandbox.create("base", timeout=120)
     try:
@@ -179,7 +179,7 @@ def test_defaults_deny_private_ranges_and_policy_opens_them_on_a_live_sandbox(
         sbx.kill()
 
 
-def test_create_with_a_policy_and_without_internet(agentenv_server: ServerProcess, hosts: ProbeHosts) -> None:
+def test_create_with_a_policy_and_without_internet(forkyard_server: ServerProcess, hosts: ProbeHosts) -> None:
     a = hosts.addrs
     only = Sandbox.create(
         "base", timeout=120, network={"deny_out": [ALL_TRAFFIC], "allow_out": [a["public2"], a["private"]]}
@@ -199,7 +199,7 @@ def test_create_with_a_policy_and_without_internet(agentenv_server: ServerProces
         offline.kill()
 
 
-def test_bad_policies_are_refused_with_400(agentenv_server: ServerProcess) -> None:
+def test_bad_policies_are_refused_with_400(forkyard_server: ServerProcess) -> None:
     bad_creates = [
         ({"allow_out": ["example.com"]}, "you must include 'ALL_TRAFFIC' in deny out"),
         ({"allow_out": ["bad_name..com"], "deny_out": [ALL_TRAFFIC]}, "invalid allowOut entry"),
@@ -240,7 +240,7 @@ ECHO_HOST = textwrap.dedent(
 
 
 def test_private_traffic_needs_the_token_and_the_sandbox_sees_the_masked_host(
-    agentenv_server: ServerProcess,
+    forkyard_server: ServerProcess,
 ) -> None:
     sbx = Sandbox.create(
         "base",
@@ -256,14 +256,14 @@ def test_private_traffic_needs_the_token_and_the_sandbox_sees_the_masked_host(
             f'for i in $(seq 50); do python3 -c "{wait}" 2>/dev/null && exit 0; sleep 0.1; done; exit 1'
         )
         route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
-        denied = httpx.get(agentenv_server.url + "/", headers=route, timeout=10)
+        denied = httpx.get(forkyard_server.url + "/", headers=route, timeout=10)
         assert denied.status_code == 403 and "e2b-traffic-access-token" in denied.json()["message"]
         wrong = httpx.get(
-            agentenv_server.url + "/", headers={**route, "e2b-traffic-access-token": "nope"}, timeout=10
+            forkyard_server.url + "/", headers={**route, "e2b-traffic-access-token": "nope"}, timeout=10
         )
         assert wrong.status_code == 403
         ok = httpx.get(
-            agentenv_server.url + "/",
+            forkyard_server.url + "/",
             headers={**route, "e2b-traffic-access-token": sbx.traffic_access_token},
             timeout=10,
         )
@@ -296,7 +296,7 @@ def test_policy_survives_a_server_restart(hosts: ProbeHosts) -> None:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def test_js_sdk_network_policy(agentenv_server: ServerProcess, hosts: ProbeHosts) -> None:
+def test_js_sdk_network_policy(forkyard_server: ServerProcess, hosts: ProbeHosts) -> None:
     js = TESTS / "js"
     if shutil.which("node") is None:
         pytest.fail("node is not installed (scripts/bootstrap.sh --test installs it)")
@@ -304,7 +304,7 @@ def test_js_sdk_network_policy(agentenv_server: ServerProcess, hosts: ProbeHosts
         subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent"], cwd=js, check=True)
     env = {
         **os.environ,
-        **agentenv_server.sdk_env,
+        **forkyard_server.sdk_env,
         "TEST_PORT": str(hosts.port),
         "TEST_PUBLIC": hosts.addrs["public"],
         "TEST_PUBLIC2": hosts.addrs["public2"],

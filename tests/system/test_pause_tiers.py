@@ -1,4 +1,4 @@
-"""Tiered pause through the official ``e2b`` SDK against a real ``agentenv serve`` (gVisor): a
+"""Tiered pause through the official ``e2b`` SDK against a real ``forkyard serve`` (gVisor): a
 pause freezes the sandbox in place; after an idle period it moves to disk; a resume thaws it or
 restores it; both tiers survive a server kill -9. The API shows both tiers as ``paused``."""
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.requires_root("gVisor sandboxes, network namespaces")
 
 
 def tier(server: ServerProcess, sandbox_id: str) -> tuple[str, str | None]:
-    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3", timeout=5)
+    db = sqlite3.connect(server.data_dir / "forkyard.sqlite3", timeout=5)
     try:
         state, pause_tier = db.execute(
             "SELECT state, pause_tier FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)
@@ -34,7 +34,7 @@ def tier(server: ServerProcess, sandbox_id: str) -> tuple[str, str | None]:
 
 
 def log_messages(server: ServerProcess, sandbox_id: str) -> list[str]:
-    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3", timeout=5)
+    db = sqlite3.connect(server.data_dir / "forkyard.sqlite3", timeout=5)
     try:
         rows = db.execute(
             "SELECT message FROM sandbox_logs WHERE sandbox_id = ? ORDER BY id", (sandbox_id,)
@@ -56,7 +56,7 @@ def tiered_server(disk_after: float) -> Iterator[ServerProcess]:
     if reason:
         pytest.skip(reason)
     with serve(
-        prefix="agentenv-tiers-", extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": str(disk_after)}
+        prefix="forkyard-tiers-", extra_env={"FORKYARD_PAUSE_DISK_AFTER_SECONDS": str(disk_after)}
     ) as server:
         yield server
 
@@ -155,7 +155,7 @@ def test_server_kill_9_with_sandboxes_in_every_tier_loses_and_leaks_nothing() ->
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    with serve(prefix="agentenv-tiers-", extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": "1"}) as first:
+    with serve(prefix="forkyard-tiers-", extra_env={"FORKYARD_PAUSE_DISK_AFTER_SECONDS": "1"}) as first:
         opts = first.sdk_opts
         on_disk = Sandbox.create(timeout=600, **opts)
         disk_state = start_state(on_disk)
@@ -167,7 +167,7 @@ def test_server_kill_9_with_sandboxes_in_every_tier_loses_and_leaks_nothing() ->
             first.data_dir,
             port=first.port,
             api_key=first.api_key,
-            extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": "600"},
+            extra_env={"FORKYARD_PAUSE_DISK_AFTER_SECONDS": "600"},
         )
         try:
             running = Sandbox.create(timeout=600, **opts)
@@ -181,7 +181,7 @@ def test_server_kill_9_with_sandboxes_in_every_tier_loses_and_leaks_nothing() ->
                 first.data_dir,
                 port=first.port,
                 api_key=first.api_key,
-                extra_env={"AGENTENV_PAUSE_DISK_AFTER_SECONDS": "600"},
+                extra_env={"FORKYARD_PAUSE_DISK_AFTER_SECONDS": "600"},
             )
             try:
                 assert tier(third, on_disk.sandbox_id) == ("paused", "disk")

@@ -1,7 +1,7 @@
 """QEMU microVM runtime, for real: the guest pipeline's kernel + drives booted under
 ``qemu-system-x86_64 -M microvm`` (TCG here: this host's /dev/kvm has no vmx/svm).
 
-* the official e2b SDK through a real ``agentenv serve`` (AGENTENV_RUNTIME=qemu): command,
+* the official e2b SDK through a real ``forkyard serve`` (FORKYARD_RUNTIME=qemu): command,
   file write + read, ``uname -r`` is the Debian cloud kernel of the pipeline, kill leaves nothing;
 * snapshot (reflink clones of the guest's RAM file and upper drive + QEMU's device state) and
   restore into other sandboxes, through a pre-started QEMU (a spare) and without one, with the
@@ -34,12 +34,12 @@ from e2b import Sandbox
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from agentenv.config import QemuSettings, Settings
-from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
-from agentenv.runtime.qemu.spares import Shape
-from agentenv.storage import images
-from agentenv.storage.reflink import ReflinkPool
-from agentenv.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
+from forkyard.config import QemuSettings, Settings
+from forkyard.runtime.qemu.runtime import QemuRuntime, vm_paths
+from forkyard.runtime.qemu.spares import Shape
+from forkyard.storage import images
+from forkyard.storage.reflink import ReflinkPool
+from forkyard.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import SHARED_TEMPLATES, leaks, unique_id
 from tests.support.counter import STATE_FILE, assert_state_continues, counter_command, read_counter
 from tests.support.server import ServerProcess, kill_all_sandboxes, start_server
@@ -72,7 +72,7 @@ def qemu_settings() -> Iterator[Settings]:
 
 @pytest.fixture(scope="module")
 def base(qemu_settings: Settings) -> TemplateImage:
-    from agentenv.storage.templates import load_template
+    from forkyard.storage.templates import load_template
 
     return load_template("base", qemu_settings)
 
@@ -141,8 +141,8 @@ def _wait_no_host_leftovers(settings: Settings, sandbox_id: str, limit_s: float 
 
 
 def test_sdk_through_server(qemu_settings: Settings, guest: images.GuestImages) -> None:
-    """The official SDK against ``agentenv serve`` running the qemu runtime."""
-    server = start_server(qemu_settings.data_dir / "server", extra_env={"AGENTENV_RUNTIME": "qemu"})
+    """The official SDK against ``forkyard serve`` running the qemu runtime."""
+    server = start_server(qemu_settings.data_dir / "server", extra_env={"FORKYARD_RUNTIME": "qemu"})
     try:
         sbx = Sandbox.create(
             template="base",
@@ -365,12 +365,12 @@ COUNTER = counter_command(step=0.2)
 #: Template snapshots and warm pools off: they would boot a second VM in the background (a minute
 #: of emulated CPU on 2 cores) and are not what the lifecycle test is about.
 SERVER_ENV = {
-    "AGENTENV_RUNTIME": "qemu",
-    "AGENTENV_TEMPLATE_SNAPSHOTS": "0",
-    "AGENTENV_WARM_POOL_HIGH": "0",
+    "FORKYARD_RUNTIME": "qemu",
+    "FORKYARD_TEMPLATE_SNAPSHOTS": "0",
+    "FORKYARD_WARM_POOL_HIGH": "0",
     # Standbys would restore extra VMs from the snapshot the test creates twice from: the slot
     # accounting below counts only the sandboxes the test made.
-    "AGENTENV_SNAPSHOT_STANDBYS": "0",
+    "FORKYARD_SNAPSHOT_STANDBYS": "0",
 }
 
 
@@ -466,7 +466,7 @@ def _lifecycle(servers: list[ServerProcess], ids: list[str]) -> tuple[str, dict[
 @pytest.mark.timeout(900)  # one cold TCG boot alone may take minutes on a loaded host
 def test_lifecycle_through_server(qemu_settings: Settings) -> None:
     """Pause, server restart, resume; snapshot -> 2 sandboxes; fork 2; kill: the official SDK
-    against ``agentenv serve`` on the qemu runtime; then nothing of the sandboxes is left on the
+    against ``forkyard serve`` on the qemu runtime; then nothing of the sandboxes is left on the
     host."""
     data = qemu_settings.data_dir / "lifecycle"
     ids: list[str] = []

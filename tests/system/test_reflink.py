@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.storage.reflink import ReflinkError, ReflinkPool, clone_file, disk_usage_bytes
+from forkyard.storage.reflink import ReflinkError, ReflinkPool, clone_file, disk_usage_bytes
 
 pytestmark = pytest.mark.requires_root("mounting the XFS pool")
 

@@ -1,4 +1,4 @@
-"""agentenv.rl (the RL client) against a real ``agentenv serve`` with the gVisor runtime, through
+"""forkyard_rl (the RL client) against a real ``forkyard serve`` with the gVisor runtime, through
 the official ``e2b`` SDK: groups, fork trees, rollback in place, the environment loop, and the
 clean-up of a crashed client's sandboxes by their server-side timeout."""
 
@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from e2b import AsyncSandbox, Sandbox
 
-from agentenv.rl import (
+from forkyard_rl import (
     Code,
     ForkTree,
     RollbackError,
@@ -30,7 +30,7 @@ from agentenv.rl import (
     reward_tests_pass,
     rollback,
 )
-from agentenv.rl.group import GROUP_METADATA_KEY
+from forkyard_rl.group import GROUP_METADATA_KEY
 from tests.support import REPO
 from tests.support.counter import COUNTER_FILE, counter_command
 from tests.support.leaks import wait_no_host_resources
@@ -72,7 +72,7 @@ async def counter_runs(sbx: AsyncSandbox) -> int:
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def sandbox(agentenv_server: ServerProcess) -> AsyncIterator[AsyncSandbox]:
+async def sandbox(forkyard_server: ServerProcess) -> AsyncIterator[AsyncSandbox]:
     sbx = await AsyncSandbox.create("base", timeout=300)
     try:
         yield sbx
@@ -83,7 +83,7 @@ async def sandbox(agentenv_server: ServerProcess) -> AsyncIterator[AsyncSandbox]
 # -- groups ------------------------------------------------------------------------------------
 
 
-async def test_group_runs_in_every_member_and_kills_them_on_exit(agentenv_server: ServerProcess) -> None:
+async def test_group_runs_in_every_member_and_kills_them_on_exit(forkyard_server: ServerProcess) -> None:
     async with await SandboxGroup.create("base", 3, lifetime=120, concurrency=2) as group:
         ids = group.sandbox_ids
         assert len(set(ids)) == 3
@@ -103,7 +103,7 @@ async def test_group_runs_in_every_member_and_kills_them_on_exit(agentenv_server
         assert len(lines) == 9 and {s.member for s in lines} == {"0", "1", "2"}
         assert [s.index for s in lines if s.member == "1"] == [0, 1, 2]
     for sandbox_id in ids:
-        assert await gone(sandbox_id, agentenv_server)
+        assert await gone(sandbox_id, forkyard_server)
     for sandbox_id in ids:
         assert await asyncio.to_thread(wait_no_host_resources, sandbox_id) == []
 
@@ -115,9 +115,9 @@ def _query(group_id: str) -> object:
 
 
 async def test_a_group_of_a_missing_template_is_an_error_and_leaves_nothing(
-    agentenv_server: ServerProcess,
+    forkyard_server: ServerProcess,
 ) -> None:
-    from agentenv.rl import GroupError
+    from forkyard_rl import GroupError
 
     with pytest.raises(GroupError) as raised:
         await SandboxGroup.create("no-such-template", 2, lifetime=60)
@@ -128,7 +128,7 @@ async def test_a_group_of_a_missing_template_is_an_error_and_leaves_nothing(
 # -- fork trees ---------------------------------------------------------------------------------
 
 
-async def test_fork_tree_keeps_lineage_diverges_and_prunes(agentenv_server: ServerProcess) -> None:
+async def test_fork_tree_keeps_lineage_diverges_and_prunes(forkyard_server: ServerProcess) -> None:
     async with await ForkTree.create("base", lifetime=300) as tree:
         root = tree.root
         await root.live().files.write("/home/user/state.txt", "root")
@@ -150,17 +150,17 @@ async def test_fork_tree_keeps_lineage_diverges_and_prunes(agentenv_server: Serv
         pruned = await tree.prune(kids[0])
         assert set(pruned) == {kids[0].node_id, *(g.node_id for g in grandkids[0])}
         for sandbox_id in pruned:
-            assert await gone(sandbox_id, agentenv_server)
+            assert await gone(sandbox_id, forkyard_server)
         assert {n.node_id for n in tree.leaves()} == {g.node_id for g in grandkids[1]}
         assert await counter_runs(grandkids[1][1].live()) > before
         shape = tree.to_dict()
         assert len(shape["nodes"]) == 7 and sum(n["alive"] for n in shape["nodes"]) == 4
         alive = [n.node_id for n in tree.nodes.values() if n.alive]
     for sandbox_id in alive:
-        assert await gone(sandbox_id, agentenv_server)
+        assert await gone(sandbox_id, forkyard_server)
 
 
-async def test_grpo_step_forks_acts_rewards_and_prunes(agentenv_server: ServerProcess) -> None:
+async def test_grpo_step_forks_acts_rewards_and_prunes(forkyard_server: ServerProcess) -> None:
     async def reward(sbx: AsyncSandbox, result: object) -> float:
         answer = await sbx.commands.run("cat /home/user/answer")
         return 1.0 if answer.stdout.strip() == "4" else 0.0
@@ -176,7 +176,7 @@ async def test_grpo_step_forks_acts_rewards_and_prunes(agentenv_server: ServerPr
         rewarded = {s.member: s.reward for s in tree.trajectory if s.member != tree.root.node_id}
         assert rewarded == {n.node_id: r for n, r in zip(outcome.nodes, outcome.rewards, strict=True)}
         for node in outcome.nodes:
-            assert not node.alive and await gone(node.node_id, agentenv_server)
+            assert not node.alive and await gone(node.node_id, forkyard_server)
         assert tree.root.alive
         # A node's durable checkpoint, and the node back to it in place.
         snapshot_id = await tree.checkpoint(tree.root)
@@ -190,7 +190,7 @@ async def test_grpo_step_forks_acts_rewards_and_prunes(agentenv_server: ServerPr
 
 
 async def test_rollback_restores_files_and_processes_in_place(
-    sandbox: AsyncSandbox, agentenv_server: ServerProcess
+    sandbox: AsyncSandbox, forkyard_server: ServerProcess
 ) -> None:
     await sandbox.files.write("/home/user/state.txt", "at-snapshot")
     at_snapshot = await start_counter(sandbox)
@@ -223,7 +223,7 @@ async def test_rollback_restores_files_and_processes_in_place(
 
 
 async def test_rollback_of_another_sandbox_to_a_snapshot_keeps_its_own_token(
-    sandbox: AsyncSandbox, agentenv_server: ServerProcess
+    sandbox: AsyncSandbox, forkyard_server: ServerProcess
 ) -> None:
     """The snapshot's envd holds its source's access token; the rolled-back sandbox answers to
     its own (the SDK object keeps working), and its old instance leaves nothing behind."""
@@ -243,15 +243,15 @@ async def test_rollback_of_another_sandbox_to_a_snapshot_keeps_its_own_token(
 
 
 async def test_rollback_refusals_are_e2b_shaped(
-    sandbox: AsyncSandbox, agentenv_server: ServerProcess
+    sandbox: AsyncSandbox, forkyard_server: ServerProcess
 ) -> None:
-    url = f"{agentenv_server.url}/sandboxes/{sandbox.sandbox_id}/rollback"
-    async with httpx.AsyncClient(timeout=60, headers=agentenv_server.headers) as client:
+    url = f"{forkyard_server.url}/sandboxes/{sandbox.sandbox_id}/rollback"
+    async with httpx.AsyncClient(timeout=60, headers=forkyard_server.headers) as client:
         missing = await client.post(url, json={"snapshotID": "snapdoesnotexist"})
         no_body = await client.post(url)
         wrong_type = await client.post(url, json={"snapshotID": 7})
         no_sandbox = await client.post(
-            f"{agentenv_server.url}/sandboxes/nosuchsandbox/rollback", json={"snapshotID": "x"}
+            f"{forkyard_server.url}/sandboxes/nosuchsandbox/rollback", json={"snapshotID": "x"}
         )
     assert missing.status_code == 404 and missing.json()["code"] == 404, missing.text
     assert "snapdoesnotexist" in missing.json()["message"]
@@ -273,7 +273,7 @@ async def test_rollback_refusals_are_e2b_shaped(
 # -- the environment loop ------------------------------------------------------------------------
 
 
-async def test_env_reset_step_reward_done_and_reset_again(agentenv_server: ServerProcess) -> None:
+async def test_env_reset_step_reward_done_and_reset_again(forkyard_server: ServerProcess) -> None:
     setup = "printf 'value = 1\\n' > /home/user/task.py && echo 'make value 2' > /home/user/README"
     env = await SandboxEnv.from_setup(
         "base",
@@ -303,7 +303,7 @@ async def test_env_reset_step_reward_done_and_reset_again(agentenv_server: Serve
         assert [s.member for s in steps] == ["episode-0"] * 2 + ["episode-1"] * 3
         assert [s.reward for s in steps] == [0.0, 1.0, 0.0, 0.0, 0.0]
         assert steps[1].kind == "code:python" and steps[1].info["done"] is True
-    assert await gone(sandbox_id, agentenv_server)
+    assert await gone(sandbox_id, forkyard_server)
     assert not any(s.snapshot_id == env.task_snapshot_id for s in Sandbox.list_snapshots().next_items())
 
 
@@ -312,7 +312,7 @@ async def test_env_reset_step_reward_done_and_reset_again(agentenv_server: Serve
 CRASHING_CLIENT = textwrap.dedent(
     """
     import asyncio, json, sys, time
-    from agentenv.rl import SandboxGroup
+    from forkyard_rl import SandboxGroup
 
     async def main() -> None:
         group = await SandboxGroup.create("base", 2, lifetime=int(sys.argv[1]))
@@ -325,10 +325,10 @@ CRASHING_CLIENT = textwrap.dedent(
 
 
 def test_sandboxes_of_a_killed_client_end_by_their_server_side_timeout(
-    agentenv_server: ServerProcess,
+    forkyard_server: ServerProcess,
 ) -> None:
     lifetime = 4
-    env = {**os.environ, **agentenv_server.sdk_env, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **forkyard_server.sdk_env, "PYTHONPATH": str(REPO)}
     client = subprocess.Popen(
         [sys.executable, "-c", CRASHING_CLIENT, str(lifetime)],
         env=env,
@@ -354,7 +354,7 @@ def test_sandboxes_of_a_killed_client_end_by_their_server_side_timeout(
     pending = set(ids)
     while pending and time.monotonic() < deadline:
         response = httpx.get(
-            f"{agentenv_server.url}/v2/sandboxes", headers=agentenv_server.headers, timeout=30
+            f"{forkyard_server.url}/v2/sandboxes", headers=forkyard_server.headers, timeout=30
         )
         listed = {s["sandboxID"] for s in response.json()}
         pending &= listed
@@ -364,8 +364,8 @@ def test_sandboxes_of_a_killed_client_end_by_their_server_side_timeout(
     assert not pending, f"still running {ended_after:.0f} s after creation: {pending}"
     for sandbox_id in ids:
         logs = httpx.get(
-            f"{agentenv_server.url}/v2/sandboxes/{sandbox_id}/logs",
-            headers=agentenv_server.headers,
+            f"{forkyard_server.url}/v2/sandboxes/{sandbox_id}/logs",
+            headers=forkyard_server.headers,
             timeout=30,
         ).json()["logs"]
         assert any("sandbox killed: timeout reached" in e["message"] for e in logs), logs

@@ -67,17 +67,17 @@ def named_by_manifests(s3: S3Server, bucket: str) -> set[str]:
         return json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
 
     def chunks(chunk_list: Any) -> set[str]:
-        return {f"agentenv/chunks/{digest}" for digest, _ in chunk_list if digest}
+        return {f"forkyard/chunks/{digest}" for digest, _ in chunk_list if digest}
 
-    named = set(s3.keys(bucket, "agentenv/names/"))
-    for key in s3.keys(bucket, "agentenv/snapshots/"):
+    named = set(s3.keys(bucket, "forkyard/names/"))
+    for key in s3.keys(bucket, "forkyard/snapshots/"):
         manifest = doc(key)
         named.add(key)
         for entry in manifest["files"]:
             named |= chunks(entry["chunks"])
         for lid in manifest["layers"]:
-            named.add(f"agentenv/layers/{lid}.json")
-            named |= chunks(doc(f"agentenv/layers/{lid}.json")["chunks"])
+            named.add(f"forkyard/layers/{lid}.json")
+            named |= chunks(doc(f"forkyard/layers/{lid}.json")["chunks"])
     return named
 
 
@@ -93,23 +93,23 @@ def wipe_local_copy(data_dir: Path, snapshot_id: str) -> list[str]:
 
 def test_snapshot_restores_from_s3_on_its_node_and_on_another(s3: S3Server, tmp_path: Path) -> None:
     bucket = s3.new_bucket()
-    env = s3.agentenv_env(bucket, gc_grace_seconds="0", upload_templates="false")
-    with serve(prefix="ae-s3a-", extra_env={**env, "AGENTENV_SANDBOX_SUBNET": SUBNET_A}) as a:
+    env = s3.forkyard_env(bucket, gc_grace_seconds="0", upload_templates="false")
+    with serve(prefix="ae-s3a-", extra_env={**env, "FORKYARD_SANDBOX_SUBNET": SUBNET_A}) as a:
         sbx = Sandbox.create(timeout=300, **a.sdk_opts)
         before = start_state(sbx, "from node a")
         snap = sbx.create_snapshot(name="s3-test")
         storage = wait_durable(a, snap.snapshot_id)
         assert storage["uploadMs"] is not None and storage["cached"]
         keys = s3.keys(bucket)
-        assert f"agentenv/snapshots/{snap.snapshot_id}.json" in keys
-        assert any(k.startswith("agentenv/layers/") for k in keys), keys
+        assert f"forkyard/snapshots/{snap.snapshot_id}.json" in keys
+        assert any(k.startswith("forkyard/layers/") for k in keys), keys
         sbx.kill()
 
         # Node a loses its local copy (memory image and layers): the restore fetches them.
         a.stop()
         wiped = wipe_local_copy(a.data_dir, snap.snapshot_id)
         restarted = start_server(
-            a.data_dir, port=a.port, api_key=a.api_key, extra_env={**env, "AGENTENV_SANDBOX_SUBNET": SUBNET_A}
+            a.data_dir, port=a.port, api_key=a.api_key, extra_env={**env, "FORKYARD_SANDBOX_SUBNET": SUBNET_A}
         )
         try:
             assert not storage_of(restarted, snap.snapshot_id)["cached"]
@@ -121,7 +121,7 @@ def test_snapshot_restores_from_s3_on_its_node_and_on_another(s3: S3Server, tmp_
             child.kill()
 
             # Node b: its own data dir and registry, only the bucket shared; running at the same time.
-            with serve(prefix="ae-s3b-", extra_env={**env, "AGENTENV_SANDBOX_SUBNET": SUBNET_B}) as b:
+            with serve(prefix="ae-s3b-", extra_env={**env, "FORKYARD_SANDBOX_SUBNET": SUBNET_B}) as b:
                 other = Sandbox.create("s3-test", timeout=300, **b.sdk_opts)  # by name
                 assert other.sandbox_id != child.sandbox_id
                 assert_state_continues(other, before, "from node a")
@@ -134,7 +134,7 @@ def test_snapshot_restores_from_s3_on_its_node_and_on_another(s3: S3Server, tmp_
                 assert not [k for k in left if snap.snapshot_id in k], left
                 # What is left is exactly what the remaining (template) snapshots name.
                 assert left == named_by_manifests(s3, bucket)
-                assert not [lid for lid in wiped if f"agentenv/layers/{lid}.json" in left]
+                assert not [lid for lid in wiped if f"forkyard/layers/{lid}.json" in left]
                 with pytest.raises(Exception) as missing:
                     Sandbox.create(snap.snapshot_id, timeout=60, **b.sdk_opts)
                 assert "404" in str(missing.value) or "not found" in str(missing.value).lower()
@@ -155,10 +155,10 @@ def test_eviction_under_a_small_cap_never_breaks_a_paused_sandbox(s3: S3Server) 
     layer collection runs after each eviction: a sandbox paused to disk on top of an evicted
     snapshot's layers still resumes with its files and process."""
     env = {
-        **s3.agentenv_env(s3.new_bucket(), gc_grace_seconds="0", upload_templates="false", cache_max_mib="1"),
-        "AGENTENV_SANDBOX_SUBNET": SUBNET_A,
-        "AGENTENV_PAUSE_FREEZE": "false",  # pause to disk: the pause snapshot stands on the layers
-        "AGENTENV_SNAPSHOT_STANDBYS": "0",
+        **s3.forkyard_env(s3.new_bucket(), gc_grace_seconds="0", upload_templates="false", cache_max_mib="1"),
+        "FORKYARD_SANDBOX_SUBNET": SUBNET_A,
+        "FORKYARD_PAUSE_FREEZE": "false",  # pause to disk: the pause snapshot stands on the layers
+        "FORKYARD_SNAPSHOT_STANDBYS": "0",
     }
     with serve(prefix="ae-s3c-", extra_env=env) as server:
         parent = Sandbox.create(timeout=300, **server.sdk_opts)

@@ -29,7 +29,7 @@ from tests.support.server import ServerProcess, start_server
 
 pytestmark = [pytest.mark.requires_root("sandboxes")]
 
-DOMAIN = "agentenv.localhost"
+DOMAIN = "forkyard.localhost"
 
 
 def free_udp_port() -> int:
@@ -75,10 +75,10 @@ def url_server(upstream: FakeUpstream) -> Iterator[tuple[ServerProcess, int, int
     server = start_server(
         data_dir,
         extra_env={
-            "AGENTENV_TLS_PORT": str(tls_port),
-            "AGENTENV_SANDBOX_DOMAIN": DOMAIN,
-            "AGENTENV_DNS_LISTEN": f"127.0.0.1:{dns_port}",
-            "AGENTENV_DNS_UPSTREAM": f"127.0.0.1:{upstream.port}",
+            "FORKYARD_TLS_PORT": str(tls_port),
+            "FORKYARD_SANDBOX_DOMAIN": DOMAIN,
+            "FORKYARD_DNS_LISTEN": f"127.0.0.1:{dns_port}",
+            "FORKYARD_DNS_UPSTREAM": f"127.0.0.1:{upstream.port}",
         },
     )
     try:
@@ -120,7 +120,7 @@ def test_get_host_is_served_over_tls_with_the_nodes_ca(
     log = server.log_tail(20_000)
     ca = server.data_dir / "tls" / "ca.pem"
     bundle = server.data_dir / "tls" / "ca-bundle.pem"
-    # make run / agentenv serve print what to export.
+    # make run / forkyard serve print what to export.
     assert f"export SSL_CERT_FILE={bundle}" in log and f"export NODE_EXTRA_CA_CERTS={ca}" in log
     sbx = Sandbox.create("base", timeout=120, **server.sdk_opts)
     try:

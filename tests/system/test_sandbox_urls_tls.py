@@ -7,7 +7,7 @@ Names: the SDK's own HTTP client (pyqwest, Rust) resolves ``*.localhost`` names 
 itself (RFC 6761), so its envd traffic needs nothing; it trusts the CA through ``SSL_CERT_FILE``.
 For the user's own client (httpx here) this process must not change the machine's resolver, so
 it resolves the names under the sandbox domain by asking the node's DNS responder
-(``AGENTENV_DNS_LISTEN``) over UDP, in its own ``socket.getaddrinfo``: what a stock resolver
+(``FORKYARD_DNS_LISTEN``) over UDP, in its own ``socket.getaddrinfo``: what a stock resolver
 does once it forwards ``*.{domain}`` to the responder (docs/ARCHITECTURE.md). Everything else
 (the SDK, httpx, TLS, the listener, envd) is the real thing. tests/system/test_sandbox_urls.py
 covers the listener's and the responder's details.
@@ -38,7 +38,7 @@ from tests.support.server import ServerProcess, start_server
 
 pytestmark = [pytest.mark.requires_root("sandboxes")]
 
-DOMAIN = "agentenv.localhost"
+DOMAIN = "forkyard.localhost"
 
 
 def _free_udp_port() -> int:
@@ -64,9 +64,9 @@ def tls_server() -> Iterator[TlsNode]:
     server = start_server(
         data_dir,
         extra_env={
-            "AGENTENV_TLS_PORT": str(tls_port),
-            "AGENTENV_SANDBOX_DOMAIN": DOMAIN,
-            "AGENTENV_DNS_LISTEN": f"127.0.0.1:{dns_port}",
+            "FORKYARD_TLS_PORT": str(tls_port),
+            "FORKYARD_SANDBOX_DOMAIN": DOMAIN,
+            "FORKYARD_DNS_LISTEN": f"127.0.0.1:{dns_port}",
         },
     )
     try:

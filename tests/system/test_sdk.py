@@ -1,4 +1,4 @@
-"""End to end with the official ``e2b`` Python SDK (sync) against a real ``agentenv serve``
+"""End to end with the official ``e2b`` Python SDK (sync) against a real ``forkyard serve``
 with the real gVisor runtime."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.support.server import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def sbx(agentenv_server: ServerProcess) -> Iterator[Sandbox]:
+def sbx(forkyard_server: ServerProcess) -> Iterator[Sandbox]:
     sandbox = Sandbox.create(timeout=300, metadata={"suite": "sdk-sync"}, envs={"GREETING": "hello"})
     try:
         yield sandbox
@@ -130,8 +130,8 @@ def test_50_mib_upload_and_download_intact(sbx: Sandbox, tmp_path: Path) -> None
     sbx.files.remove("/home/user/big.bin")
 
 
-def test_path_traversal_stays_in_sandbox(sbx: Sandbox, agentenv_server: ServerProcess) -> None:
-    marker = Path(f"/tmp/agentenv-host-secret-{os.urandom(4).hex()}")
+def test_path_traversal_stays_in_sandbox(sbx: Sandbox, forkyard_server: ServerProcess) -> None:
+    marker = Path(f"/tmp/forkyard-host-secret-{os.urandom(4).hex()}")
     marker.write_text("host secret")
     try:
         # ../../.. from the home directory lands at the sandbox's own root.
@@ -145,7 +145,7 @@ def test_path_traversal_stays_in_sandbox(sbx: Sandbox, agentenv_server: ServerPr
             "X-Access-Token": sbx._envd_access_token or "",
         }
         resp = httpx.get(
-            f"{agentenv_server.url}/files", params={"path": f"/../../../../..{marker}"}, headers=headers
+            f"{forkyard_server.url}/files", params={"path": f"/../../../../..{marker}"}, headers=headers
         )
         assert resp.status_code == 404 and "host secret" not in resp.text
     finally:
@@ -167,7 +167,7 @@ def test_info_timeout_and_list(sbx: Sandbox) -> None:
     assert metrics and metrics[-1].mem_total > 0
 
 
-def test_short_timeout_sandbox_is_gone(agentenv_server: ServerProcess) -> None:
+def test_short_timeout_sandbox_is_gone(forkyard_server: ServerProcess) -> None:
     s = Sandbox.create(timeout=3)
     assert s.commands.run("echo alive").stdout == "alive\n"
     time.sleep(5)
@@ -178,7 +178,7 @@ def test_short_timeout_sandbox_is_gone(agentenv_server: ServerProcess) -> None:
     assert wait_no_host_resources(s.sandbox_id) == []
 
 
-def test_unknown_template_and_kill(agentenv_server: ServerProcess) -> None:
+def test_unknown_template_and_kill(forkyard_server: ServerProcess) -> None:
     with pytest.raises(SandboxException) as exc:
         Sandbox.create(template="does-not-exist")
     assert "not found" in str(exc.value)
@@ -188,7 +188,7 @@ def test_unknown_template_and_kill(agentenv_server: ServerProcess) -> None:
     assert wait_no_host_resources(s.sandbox_id) == []
 
 
-def test_concurrent_creates(agentenv_server: ServerProcess) -> None:
+def test_concurrent_creates(forkyard_server: ServerProcess) -> None:
     made: list[Sandbox] = []
     errors: list[BaseException] = []
 

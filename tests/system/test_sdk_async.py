@@ -1,4 +1,4 @@
-"""End to end with the official ``e2b`` SDK's AsyncSandbox against a real ``agentenv serve``."""
+"""End to end with the official ``e2b`` SDK's AsyncSandbox against a real ``forkyard serve``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.support.server import ServerProcess
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def test_async_sandbox_end_to_end(agentenv_server: ServerProcess) -> None:
+async def test_async_sandbox_end_to_end(forkyard_server: ServerProcess) -> None:
     sbx = await AsyncSandbox.create(timeout=120, metadata={"suite": "sdk-async"}, envs={"X": "1"})
     try:
         r = await sbx.commands.run("echo hi && echo err >&2 && echo $X")
@@ -66,7 +66,7 @@ async def test_async_sandbox_end_to_end(agentenv_server: ServerProcess) -> None:
     assert await asyncio.to_thread(wait_no_host_resources, sbx.sandbox_id) == []
 
 
-async def test_async_parallel_creates(agentenv_server: ServerProcess) -> None:
+async def test_async_parallel_creates(forkyard_server: ServerProcess) -> None:
     sandboxes = await asyncio.gather(*(AsyncSandbox.create(timeout=60) for _ in range(4)))
     try:
         outs = await asyncio.gather(*(s.commands.run(f"echo {i}") for i, s in enumerate(sandboxes)))

@@ -1,5 +1,5 @@
 """Pause/resume, snapshots and fork through the official ``e2b`` SDK against a real
-``agentenv serve`` with the real gVisor runtime (runsc checkpoint/restore)."""
+``forkyard serve`` with the real gVisor runtime (runsc checkpoint/restore)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.support.server import ServerProcess, kill_all_sandboxes, serve, start
 
 
 @pytest.fixture()
-def parent(agentenv_server: ServerProcess) -> Iterator[Sandbox]:
+def parent(forkyard_server: ServerProcess) -> Iterator[Sandbox]:
     sbx = Sandbox.create(timeout=300)
     try:
         yield sbx
@@ -44,7 +44,7 @@ def test_pause_resume_keeps_file_and_process(parent: Sandbox) -> None:
     assert Sandbox.get_info(parent.sandbox_id).state.value == "running"
 
 
-def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, agentenv_server: ServerProcess) -> None:
+def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, forkyard_server: ServerProcess) -> None:
     before = start_state(parent)
     snap = parent.create_snapshot()
     assert snap.snapshot_id
@@ -62,7 +62,7 @@ def test_snapshot_then_three_sandboxes_see_the_state(parent: Sandbox, agentenv_s
             child.kill()
     assert Sandbox.delete_snapshot(snap.snapshot_id) is True
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
-    snapshots_dir = agentenv_server.data_dir / "snapshots"
+    snapshots_dir = forkyard_server.data_dir / "snapshots"
     assert not (snapshots_dir / snap.snapshot_id).exists()
 
 
@@ -70,7 +70,7 @@ GROUP = 4
 
 
 def test_groups_from_one_snapshot_claim_standbys_sized_to_the_group(
-    parent: Sandbox, agentenv_server: ServerProcess
+    parent: Sandbox, forkyard_server: ServerProcess
 ) -> None:
     """A trainer's step: a group created at once from one start state. The first group restores
     and sizes the snapshot's standbys (2 by default); the next claims one for every member, each
@@ -89,13 +89,13 @@ def test_groups_from_one_snapshot_claim_standbys_sized_to_the_group(
             member.kill()
         full = re.compile(rf"warm pool {snap.snapshot_id}: \S+ ready in \d+ ms \({GROUP}/{GROUP}\)")
         deadline = time.monotonic() + 180
-        while not full.search(agentenv_server.log_tail(1 << 20)):
-            assert time.monotonic() < deadline, f"no {GROUP} standbys:\n{agentenv_server.log_tail()}"
+        while not full.search(forkyard_server.log_tail(1 << 20)):
+            assert time.monotonic() < deadline, f"no {GROUP} standbys:\n{forkyard_server.log_tail()}"
             time.sleep(0.2)
         second = group()
         members += second
         for member in second:
-            assert "from a standby of" in sandbox_log_messages(agentenv_server, member.sandbox_id)
+            assert "from a standby of" in sandbox_log_messages(forkyard_server, member.sandbox_id)
             assert member.files.read("/home/user/task.txt") == "start"
         second[0].files.write("/home/user/task.txt", "member-0")
         assert second[1].files.read("/home/user/task.txt") == "start"
@@ -189,7 +189,7 @@ def own_server(prefix: str, extra_env: dict[str, str] | None = None) -> Iterator
 @pytest.fixture()
 def private_server() -> Iterator[ServerProcess]:
     """A server of our own (tests restart and kill -9 it)."""
-    yield from own_server("agentenv-snap-")
+    yield from own_server("forkyard-snap-")
 
 
 def sdk_opts(server: ServerProcess) -> dict[str, str]:
@@ -224,7 +224,7 @@ INTERRUPTED = {
 
 
 def fork_committed(server: ServerProcess) -> bool:
-    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3", timeout=5)
+    db = sqlite3.connect(server.data_dir / "forkyard.sqlite3", timeout=5)
     try:
         return db.execute("SELECT 1 FROM snapshots WHERE kind = 'fork'").fetchone() is not None
     finally:
@@ -235,7 +235,7 @@ def fork_committed(server: ServerProcess) -> bool:
 def disk_pause_server() -> Iterator[ServerProcess]:
     """A server of our own whose pauses checkpoint to disk at once (no frozen tier): a kill -9
     lands inside the checkpoint (tests/system/test_pause_tiers.py covers the frozen tier)."""
-    yield from own_server("agentenv-snap-", {"AGENTENV_PAUSE_FREEZE": "false"})
+    yield from own_server("forkyard-snap-", {"FORKYARD_PAUSE_FREEZE": "false"})
 
 
 @pytest.mark.parametrize("operation", sorted(INTERRUPTED))
@@ -280,7 +280,7 @@ def test_kill_9_mid_operation_keeps_committed_snapshots_and_leaks_nothing(
         # The committed snapshot is intact and usable.
         names = {s.snapshot_id for s in Sandbox.list_snapshots(**opts).next_items()}
         assert committed.snapshot_id in names
-        db = sqlite3.connect(private_server.data_dir / "agentenv.sqlite3")
+        db = sqlite3.connect(private_server.data_dir / "forkyard.sqlite3")
         states = dict(db.execute("SELECT sandbox_id, state FROM sandboxes").fetchall())
         registered = dict(db.execute("SELECT snapshot_id, kind FROM snapshots").fetchall())
         db.close()
@@ -325,7 +325,7 @@ def layer_bytes(server: ServerProcess, layer_id: str) -> int:
     return sum(p.lstat().st_blocks * 512 for p in root.rglob("*"))
 
 
-def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_server: ServerProcess) -> None:
+def test_incremental_snapshots_chain_and_survive_deleting_ancestors(forkyard_server: ServerProcess) -> None:
     sbx = Sandbox.create(timeout=300)
     try:
         sbx.commands.run("head -c 8388608 /dev/urandom > /home/user/big && echo one > /home/user/a.txt")
@@ -334,15 +334,15 @@ def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_ser
         s2 = sbx.create_snapshot()
         sbx.files.write("/home/user/c.txt", "three")
         s3 = sbx.create_snapshot()
-        chain1, chain2, chain3 = (snapshot_layers(agentenv_server, s.snapshot_id) for s in (s1, s2, s3))
+        chain1, chain2, chain3 = (snapshot_layers(forkyard_server, s.snapshot_id) for s in (s1, s2, s3))
         # Each snapshot adds one layer on top of its parent's chain, holding only what changed.
         assert chain2[1:] == chain1 and chain3[1:] == chain2
-        assert layer_bytes(agentenv_server, chain1[0]) >= 8 << 20
-        assert layer_bytes(agentenv_server, chain2[0]) < 1 << 20  # a whiteout and a small file
-        assert layer_bytes(agentenv_server, chain3[0]) < 1 << 20
+        assert layer_bytes(forkyard_server, chain1[0]) >= 8 << 20
+        assert layer_bytes(forkyard_server, chain2[0]) < 1 << 20  # a whiteout and a small file
+        assert layer_bytes(forkyard_server, chain3[0]) < 1 << 20
         # Deleting the ancestors never breaks a descendant: its layers stay while it needs them.
         assert Sandbox.delete_snapshot(s1.snapshot_id) and Sandbox.delete_snapshot(s2.snapshot_id)
-        assert all((agentenv_server.data_dir / "disk-layers" / lid).is_dir() for lid in chain3)
+        assert all((forkyard_server.data_dir / "disk-layers" / lid).is_dir() for lid in chain3)
         child = Sandbox.create(s3.snapshot_id, timeout=120)
         try:
             listing = child.commands.run(
@@ -359,7 +359,7 @@ def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_ser
     assert Sandbox.delete_snapshot(s3.snapshot_id)
     # Nothing references the three layers any more: they are freed (in the background).
     deadline = time.monotonic() + 15
-    while any((agentenv_server.data_dir / "disk-layers" / lid).exists() for lid in chain3[:3]):
+    while any((forkyard_server.data_dir / "disk-layers" / lid).exists() for lid in chain3[:3]):
         assert time.monotonic() < deadline, "unused disk layers were not freed"
         time.sleep(0.2)
 
@@ -368,10 +368,10 @@ def test_incremental_snapshots_chain_and_survive_deleting_ancestors(agentenv_ser
 POOLED = " ready in "
 
 
-def test_deep_snapshot_chains_are_squashed(agentenv_server: ServerProcess) -> None:
+def test_deep_snapshot_chains_are_squashed(forkyard_server: ServerProcess) -> None:
     """Past MAX_CHAIN layers the oldest are merged into one; files written, overwritten and
     deleted across the rounds (whiteouts) come out as they were."""
-    from agentenv.runtime.gvisor.checkpoint import MAX_CHAIN
+    from forkyard.runtime.gvisor.checkpoint import MAX_CHAIN
 
     sbx = Sandbox.create(timeout=600)
     try:
@@ -384,7 +384,7 @@ def test_deep_snapshot_chains_are_squashed(agentenv_server: ServerProcess) -> No
             )
             last = sbx.create_snapshot()
         assert last is not None
-        chain = snapshot_layers(agentenv_server, last.snapshot_id)
+        chain = snapshot_layers(forkyard_server, last.snapshot_id)
         assert len(chain) <= MAX_CHAIN
         child = Sandbox.create(last.snapshot_id, timeout=120)
         try:
@@ -405,7 +405,7 @@ def wait_for_log(server: ServerProcess, text: str, count: int = 1, timeout: floa
 
 
 def sandbox_log_messages(server: ServerProcess, sandbox_id: str) -> str:
-    db = sqlite3.connect(server.data_dir / "agentenv.sqlite3")
+    db = sqlite3.connect(server.data_dir / "forkyard.sqlite3")
     try:
         rows = db.execute("SELECT message FROM sandbox_logs WHERE sandbox_id = ?", (sandbox_id,)).fetchall()
     finally:
@@ -417,11 +417,11 @@ def sandbox_log_messages(server: ServerProcess, sandbox_id: str) -> str:
 def pooled_server() -> Iterator[ServerProcess]:
     """A server that snapshots ``base`` at start-up and keeps 1-2 restored sandboxes ready."""
     yield from own_server(
-        "agentenv-pool-",
+        "forkyard-pool-",
         {
-            "AGENTENV_WARM_POOL_TEMPLATES": '["base"]',
-            "AGENTENV_WARM_POOL_LOW": "1",
-            "AGENTENV_WARM_POOL_HIGH": "2",
+            "FORKYARD_WARM_POOL_TEMPLATES": '["base"]',
+            "FORKYARD_WARM_POOL_LOW": "1",
+            "FORKYARD_WARM_POOL_HIGH": "2",
         },
     )
 
@@ -488,7 +488,7 @@ def test_server_stop_leaves_no_pooled_sandbox(pooled_server: ServerProcess) -> N
         assert wait_no_host_resources(sandbox_id) == []
 
 
-def test_auto_pause_on_timeout_then_resume(agentenv_server: ServerProcess) -> None:
+def test_auto_pause_on_timeout_then_resume(forkyard_server: ServerProcess) -> None:
     sbx = Sandbox.create(timeout=3, lifecycle={"on_timeout": "pause"})
     before = start_state(sbx)
     deadline = time.monotonic() + 60
@@ -502,7 +502,7 @@ def test_auto_pause_on_timeout_then_resume(agentenv_server: ServerProcess) -> No
         resumed.kill()
 
 
-def test_fork_64_on_one_node(agentenv_server: ServerProcess) -> None:
+def test_fork_64_on_one_node(forkyard_server: ServerProcess) -> None:
     """The SDKs cap ``count`` at 20 per call; the API takes up to 100 (openapi.yml)."""
     parent = Sandbox.create(timeout=600)
     children: list[Sandbox] = []
@@ -510,9 +510,9 @@ def test_fork_64_on_one_node(agentenv_server: ServerProcess) -> None:
         parent.files.write("/home/user/state.txt", "parent-state")
         started = time.monotonic()
         response = httpx.post(
-            f"{agentenv_server.url}/sandboxes/{parent.sandbox_id}/fork",
+            f"{forkyard_server.url}/sandboxes/{parent.sandbox_id}/fork",
             json={"count": 64, "timeout": 600},
-            headers={"X-API-Key": agentenv_server.api_key},
+            headers={"X-API-Key": forkyard_server.api_key},
             timeout=900,
         )
         assert response.status_code == 201, response.text

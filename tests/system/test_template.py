@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import Settings
-from agentenv.errors import Invalid, NotFound
-from agentenv.storage.templates import (
+from forkyard.config import Settings
+from forkyard.errors import Invalid, NotFound
+from forkyard.storage.templates import (
     COMPLETE_MARKER,
     TemplateError,
     build_template,
@@ -23,33 +23,33 @@ from agentenv.storage.templates import (
     load_template,
     template_dir,
 )
-from agentenv.types import TemplateImage
+from forkyard.types import TemplateImage
 
 pytestmark = pytest.mark.requires_root("template builds (debootstrap, chroot)")
 
 
-def test_base_template_cache_is_reused(agentenv_settings: Settings, base_template: TemplateImage) -> None:
+def test_base_template_cache_is_reused(forkyard_settings: Settings, base_template: TemplateImage) -> None:
     meta_before = (base_template.rootfs.parent / "template.json").read_text()
     started = time.monotonic()
-    again = build_template("base", agentenv_settings)
+    again = build_template("base", forkyard_settings)
     assert time.monotonic() - started < 1.0
     assert again == base_template
     assert (base_template.rootfs.parent / "template.json").read_text() == meta_before
     assert (base_template.rootfs / "usr/bin/python3").exists()
-    assert (base_template.rootfs / ".agentenv").is_dir()
+    assert (base_template.rootfs / ".forkyard").is_dir()
     assert "user:x:1000:1000" in (base_template.rootfs / "etc/passwd").read_text()
-    assert "base" in [t["template_id"] for t in list_templates(agentenv_settings)]
+    assert "base" in [t["template_id"] for t in list_templates(forkyard_settings)]
 
 
 def test_cli_build_is_instant_when_built_and_lists(
-    agentenv_settings: Settings, base_template: TemplateImage
+    forkyard_settings: Settings, base_template: TemplateImage
 ) -> None:
     env = {
         **os.environ,
-        "AGENTENV_DATA_DIR": str(agentenv_settings.data_dir),
-        "AGENTENV_TEMPLATES_PATH": str(agentenv_settings.templates_dir),
+        "FORKYARD_DATA_DIR": str(forkyard_settings.data_dir),
+        "FORKYARD_TEMPLATES_PATH": str(forkyard_settings.templates_dir),
     }
-    cli = [sys.executable, "-m", "agentenv.cli.main", "template"]
+    cli = [sys.executable, "-m", "forkyard.cli.main", "template"]
     started = time.monotonic()
     out = subprocess.run([*cli, "build", "base"], env=env, capture_output=True, text=True, check=True).stdout
     assert "already built" in out and str(base_template.rootfs) in out

@@ -1,5 +1,5 @@
 """E2B's template builder end to end: the official SDK's ``Template`` / ``AsyncTemplate`` against
-a real ``agentenv serve`` (gVisor build sandboxes), including an OCI image served by a local
+a real ``forkyard serve`` (gVisor build sandboxes), including an OCI image served by a local
 registry (Debian's ``docker-registry`` on loopback, seeded with an image of the base rootfs made
 with umoci and pushed with skopeo).
 
@@ -45,7 +45,7 @@ def templates_dir() -> Iterator[Path]:
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    templates = Path(tempfile.mkdtemp(prefix="agentenv-tpl-", dir="/tmp"))
+    templates = Path(tempfile.mkdtemp(prefix="forkyard-tpl-", dir="/tmp"))
     (templates / "base").symlink_to(SHARED_TEMPLATES / "base")
     yield templates
     shutil.rmtree(templates, ignore_errors=True)
@@ -54,7 +54,7 @@ def templates_dir() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def build_server(templates_dir: Path) -> Iterator[ServerProcess]:
     with (
-        serve(prefix="agentenv-build-", extra_env={"AGENTENV_TEMPLATES_PATH": str(templates_dir)}) as server,
+        serve(prefix="forkyard-build-", extra_env={"FORKYARD_TEMPLATES_PATH": str(templates_dir)}) as server,
         pytest.MonkeyPatch.context() as env,
     ):
         for key, value in server.sdk_env.items():
@@ -64,7 +64,7 @@ def build_server(templates_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def context_dir() -> Iterator[Path]:
-    ctx = Path(tempfile.mkdtemp(prefix="agentenv-ctx-"))
+    ctx = Path(tempfile.mkdtemp(prefix="forkyard-ctx-"))
     (ctx / "hello.txt").write_text("hello from the build context\n")
     (ctx / "app").mkdir()
     (ctx / "app" / "main.py").write_text("print('app')\n")
@@ -237,7 +237,7 @@ def test_bad_input_gets_e2b_errors(build_server: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def registry_image() -> Iterator[str]:
-    """``docker-registry`` on loopback holding ``agentenv/base:latest``, an image made from the
+    """``docker-registry`` on loopback holding ``forkyard/base:latest``, an image made from the
     base rootfs (umoci) and pushed there (skopeo)."""
     for tool in ("docker-registry", "umoci", "skopeo"):
         if shutil.which(tool) is None:
@@ -245,7 +245,7 @@ def registry_image() -> Iterator[str]:
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    work = Path(tempfile.mkdtemp(prefix="agentenv-registry-"))
+    work = Path(tempfile.mkdtemp(prefix="forkyard-registry-"))
     port = free_port()
     config = work / "config.yml"
     config.write_text(
@@ -269,13 +269,13 @@ def registry_image() -> Iterator[str]:
             ["umoci", "config", "--image", f"{layout}:base", "--config.env", "FROM_IMAGE_ENV=yes"],
             [
                 "skopeo", "copy", "--quiet", "--dest-tls-verify=false",
-                f"oci:{layout}:base", f"docker://127.0.0.1:{port}/agentenv/base:latest",
+                f"oci:{layout}:base", f"docker://127.0.0.1:{port}/forkyard/base:latest",
             ],
         ):  # fmt: skip
             subprocess.run(cmd, check=True, capture_output=True)
         shutil.rmtree(bundle)
         print(f"\nseeding the registry: {time.monotonic() - started:.1f} s")
-        yield f"127.0.0.1:{port}/agentenv/base:latest"
+        yield f"127.0.0.1:{port}/forkyard/base:latest"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -355,16 +355,16 @@ def test_js_sdk_template_build(build_server: ServerProcess, context_dir: Path) -
 def test_cli_builds_with_the_same_builder(
     build_server: ServerProcess, templates_dir: Path, context_dir: Path
 ) -> None:
-    """``agentenv template build`` on the server's data dir; the server then creates from it
+    """``forkyard template build`` on the server's data dir; the server then creates from it
     (by a boot: the CLI makes no snapshot) with the start command running."""
     name = unique_id("tbcli-")
     env = {
         **os.environ,
-        "AGENTENV_DATA_DIR": str(build_server.data_dir),
-        "AGENTENV_TEMPLATES_PATH": str(templates_dir),
+        "FORKYARD_DATA_DIR": str(build_server.data_dir),
+        "FORKYARD_TEMPLATES_PATH": str(templates_dir),
     }
     cmd = [
-        sys.executable, "-m", "agentenv.cli.main", "template", "build", name,
+        sys.executable, "-m", "forkyard.cli.main", "template", "build", name,
         "--from-template", "base", "--context", str(context_dir),
         "--copy", "hello.txt:/home/user/", "--run", "echo cli-step > /home/user/cli.txt",
         "--start-cmd", "echo up > /home/user/up.txt && sleep infinity",

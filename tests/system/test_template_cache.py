@@ -1,4 +1,4 @@
-"""E2B's step cache and kept builds through the official SDK, against a real ``agentenv serve``.
+"""E2B's step cache and kept builds through the official SDK, against a real ``forkyard serve``.
 
 Three builds of one template: the first runs its steps; the second adds a step, so its first
 steps are ``CACHED`` (their files come from the first build's root, not from running them again)
@@ -38,7 +38,7 @@ def templates_dir() -> Iterator[Path]:
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    templates = Path(tempfile.mkdtemp(prefix="agentenv-tplcache-", dir="/tmp"))
+    templates = Path(tempfile.mkdtemp(prefix="forkyard-tplcache-", dir="/tmp"))
     (templates / "base").symlink_to(SHARED_TEMPLATES / "base")
     yield templates
     shutil.rmtree(templates, ignore_errors=True)
@@ -48,9 +48,9 @@ def templates_dir() -> Iterator[Path]:
 def cache_server(templates_dir: Path) -> Iterator[ServerProcess]:
     with (
         serve(
-            prefix="agentenv-cache-",
+            prefix="forkyard-cache-",
             # A pause checkpoints to disk at once: its resume restores onto the root it recorded.
-            extra_env={"AGENTENV_TEMPLATES_PATH": str(templates_dir), "AGENTENV_PAUSE_FREEZE": "false"},
+            extra_env={"FORKYARD_TEMPLATES_PATH": str(templates_dir), "FORKYARD_PAUSE_FREEZE": "false"},
         ) as server,
         pytest.MonkeyPatch.context() as env,
     ):

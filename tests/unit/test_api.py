@@ -19,10 +19,10 @@ import pytest_asyncio
 import uvicorn
 import websockets
 
-from agentenv.api.app import create_app
-from agentenv.config import Settings
-from agentenv.orchestrator.ids import SANDBOX_ID_RE
-from agentenv.types import ENVD_PORT
+from forkyard.api.app import create_app
+from forkyard.config import Settings
+from forkyard.orchestrator.ids import SANDBOX_ID_RE
+from forkyard.types import ENVD_PORT
 from tests.support import free_port
 from tests.support.loopback import LoopbackRuntime, write_template
 

@@ -1,5 +1,5 @@
 """The console's pages and /node over real sockets with the loopback runtime (no root, no runsc),
-and the CLI's control-plane commands through the real ``agentenv`` entry point against that
+and the CLI's control-plane commands through the real ``forkyard`` entry point against that
 server. The browser, the PTY and gVisor are in tests/system/test_cli.py and test_console.py."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.support.loopback import LoopbackRuntime
 from tests.unit.test_api import API_KEY, start_node
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-AGENTENV = str(Path(sys.executable).with_name("agentenv"))
+FORKYARD = str(Path(sys.executable).with_name("forkyard"))
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
@@ -35,7 +35,7 @@ async def url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
 async def cli(url: str, *args: str, key: str = API_KEY) -> tuple[int, str, str]:
     env = {**os.environ, "E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}
     proc = await asyncio.create_subprocess_exec(
-        AGENTENV, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        FORKYARD, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await proc.communicate()
     assert proc.returncode is not None
@@ -67,7 +67,7 @@ async def test_pages_need_the_key(url: str) -> None:
         missing = await client.get("/console/static/nothing.js")
         assert missing.status_code == 404 and missing.json()["code"] == 404
         # The cookie is the console's only: the E2B API still wants the header.
-        client.cookies.set("agentenv_console_key", API_KEY)
+        client.cookies.set("forkyard_console_key", API_KEY)
         assert (await client.get("/v2/sandboxes")).status_code == 401
 
 

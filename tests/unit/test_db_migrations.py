@@ -15,12 +15,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection
 
-from agentenv.orchestrator.store import SandboxStore
-from agentenv.storage.db import Registry, open_registry_at
-from agentenv.storage.db.schema import metadata
-from agentenv.storage.objectstore_cache import SnapshotCopies
-from agentenv.storage.snapshots import SnapshotStore
-from agentenv.types import SandboxState
+from forkyard.orchestrator.store import SandboxStore
+from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.db.schema import metadata
+from forkyard.storage.objectstore_cache import SnapshotCopies
+from forkyard.storage.snapshots import SnapshotStore
+from forkyard.types import SandboxState
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -149,7 +149,7 @@ def _write_old_file(path: Path) -> None:
 
 
 async def test_a_file_from_before_the_migrations_upgrades_in_place(tmp_path: Path) -> None:
-    path = tmp_path / "agentenv.sqlite3"
+    path = tmp_path / "forkyard.sqlite3"
     _write_old_file(path)
     store = SandboxStore(path, node_id="renamed-host")
     await store.open()

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agentenv.config import Settings
-from agentenv.orchestrator.lifecycle import CreateRequest, Orchestrator, build_orchestrator
-from agentenv.orchestrator.store import ListQuery, SandboxRecord, SandboxStore
-from agentenv.types import SandboxState
+from forkyard.config import Settings
+from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator, build_orchestrator
+from forkyard.orchestrator.store import ListQuery, SandboxRecord, SandboxStore
+from forkyard.types import SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

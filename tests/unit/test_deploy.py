@@ -9,7 +9,7 @@ same checks that pass on the repository are shown to fail on a deliberately brok
 * systemd units with ``systemd-analyze verify`` (any diagnostic fails).
 * The Dockerfile parsed (``dockerfile-parse``): its apt packages exist in Debian's index, its
   runsc pin is bootstrap's, its pip lock agrees with pyproject.toml's pins.
-* Every ``AGENTENV_*`` variable any of them sets is a real :class:`agentenv.config.Settings`
+* Every ``FORKYARD_*`` variable any of them sets is a real :class:`forkyard.config.Settings`
   field, and the values parse (catches drift between the manifests and the code).
 """
 
@@ -40,14 +40,14 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
-from agentenv.config import Settings
+from forkyard.config import Settings
 from tests.support import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 #: Oldest and newest Kubernetes releases the manifests are checked against.
 K8S_VERSIONS = ("1.29", "1.37")
-#: Where the units expect the repository (they name /opt/agentenv/.venv/bin/agentenv).
-UNIT_PREFIX = "/opt/agentenv"
+#: Where the units expect the repository (they name /opt/forkyard/.venv/bin/forkyard).
+UNIT_PREFIX = "/opt/forkyard"
 #: bootstrap.sh packages the image leaves out: build- and test-only (make proto, test helpers,
 #: the tests' own PostgreSQL server: a cluster uses its own).
 NOT_IN_IMAGE_APT = {"gcc", "libc6-dev", "protobuf-compiler", "postgresql-15"}
@@ -61,10 +61,10 @@ Problems = list[str]
 
 
 def settings_problems(env: dict[str, str], where: str) -> Problems:
-    """Every AGENTENV_ name must be a Settings field (pydantic-settings ignores unknown ones
+    """Every FORKYARD_ name must be a Settings field (pydantic-settings ignores unknown ones
     silently) and the values, as the process would see them, must parse."""
     problems = [f"{where}: {name} is no Settings field" for name in env if not _is_field(name)]
-    with _environment({k: v for k, v in env.items() if k.startswith("AGENTENV_")}):
+    with _environment({k: v for k, v in env.items() if k.startswith("FORKYARD_")}):
         try:
             Settings()
         except pydantic.ValidationError as exc:
@@ -73,9 +73,9 @@ def settings_problems(env: dict[str, str], where: str) -> Problems:
 
 
 def _is_field(name: str) -> bool:
-    if not name.startswith("AGENTENV_"):
+    if not name.startswith("FORKYARD_"):
         return True  # not ours (POSTGRES_PASSWORD, K8S_NODE_NAME, ...)
-    top, _, nested = name.removeprefix("AGENTENV_").lower().partition("__")
+    top, _, nested = name.removeprefix("FORKYARD_").lower().partition("__")
     field = Settings.model_fields.get(top)
     if field is None:
         return False
@@ -87,7 +87,7 @@ def _is_field(name: str) -> bool:
 
 @contextlib.contextmanager
 def _environment(env: dict[str, str]) -> Iterator[None]:
-    saved = {k: v for k, v in os.environ.items() if k.startswith("AGENTENV_")}
+    saved = {k: v for k, v in os.environ.items() if k.startswith("FORKYARD_")}
     for key in saved:
         del os.environ[key]
     os.environ.update(env)
@@ -273,7 +273,7 @@ def _interpolate(value: str) -> str:
 def _compose_url_problems(service: str, env: dict[str, str], services: set[str]) -> Problems:
     """URLs between containers must name a service of the file (its DNS name on the network)."""
     problems: Problems = []
-    for key in ("AGENTENV_DATABASE_URL", "AGENTENV_NODE_URL", "AGENTENV_S3__ENDPOINT_URL"):
+    for key in ("FORKYARD_DATABASE_URL", "FORKYARD_NODE_URL", "FORKYARD_S3__ENDPOINT_URL"):
         if key in env:
             host = re.sub(r"^[a-z+]+://(?:[^@/]*@)?([^:/]+).*$", r"\1", env[key])
             if host not in services:
@@ -310,7 +310,7 @@ def _unit_env_problems(root: Path, units: list[Path]) -> Problems:
     for unit in units:
         text = unit.read_text()
         env = dict(re.findall(r"^Environment=([A-Z0-9_]+)=(.*)$", text, re.M))
-        for env_file in re.findall(r"^EnvironmentFile=-?/etc/agentenv/(\S+)\.env$", text, re.M):
+        for env_file in re.findall(r"^EnvironmentFile=-?/etc/forkyard/(\S+)\.env$", text, re.M):
             example = root / "deploy/systemd" / f"{env_file}.env.example"
             if not example.exists():
                 problems.append(f"{unit.name}: no example {example.relative_to(root)}")
@@ -396,8 +396,8 @@ def dockerfile_problems(root: Path) -> Problems:
     problems: Problems = []
     if not values.get("FROM", "").startswith("debian:12"):
         problems.append(f"Dockerfile: base {values.get('FROM')} is not Debian 12")
-    if json.loads(values.get("ENTRYPOINT", "null")) != ["agentenv"]:
-        problems.append(f"Dockerfile: ENTRYPOINT {values.get('ENTRYPOINT')} is not agentenv")
+    if json.loads(values.get("ENTRYPOINT", "null")) != ["forkyard"]:
+        problems.append(f"Dockerfile: ENTRYPOINT {values.get('ENTRYPOINT')} is not forkyard")
     if json.loads(values.get("CMD", "null")) != ["serve", "--host", "0.0.0.0"]:
         problems.append(f"Dockerfile: CMD {values.get('CMD')} is not serve --host 0.0.0.0")
     for copy in (i["value"].split() for i in instructions if i["instruction"] == "COPY"):
@@ -451,8 +451,8 @@ def _norm(name: str) -> str:
 def test_kubernetes_manifests_validate_against_the_schema() -> None:
     documents = k8s_documents(REPO)
     kinds = {_kind_name(d) for ds in documents.values() for d in ds}
-    assert {"DaemonSet/agentenv-node", "Deployment/agentenv-gateway", "Service/agentenv-gateway"} <= kinds
-    assert {"Secret/agentenv-secrets", "Namespace/agentenv", "ConfigMap/agentenv-config"} <= kinds
+    assert {"DaemonSet/forkyard-node", "Deployment/forkyard-gateway", "Service/forkyard-gateway"} <= kinds
+    assert {"Secret/forkyard-secrets", "Namespace/forkyard", "ConfigMap/forkyard-config"} <= kinds
     assert k8s_schema_problems(REPO) == []
 
 
@@ -475,7 +475,7 @@ def test_kustomize_renders_every_variant_into_valid_resources() -> None:
         docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
         problems = [p for d in docs for p in _validate_resource(d, f"{variant}: {_kind_name(d)}")]
         assert problems == []
-        assert all(d["metadata"].get("namespace", "agentenv") == "agentenv" for d in docs)
+        assert all(d["metadata"].get("namespace", "forkyard") == "forkyard" for d in docs)
 
 
 def test_compose_file_validates_and_its_environment_is_made_of_settings() -> None:
@@ -485,7 +485,7 @@ def test_compose_file_validates_and_its_environment_is_made_of_settings() -> Non
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_units_verify(tmp_path: Path) -> None:
     units = {p.name for p in (REPO / "deploy/systemd").glob("*.service")}
-    assert units == {"agentenv.service", "agentenv-node.service", "agentenv-gateway.service"}
+    assert units == {"forkyard.service", "forkyard-node.service", "forkyard-gateway.service"}
     assert systemd_problems(REPO, tmp_path / "units") == []
 
 
@@ -503,11 +503,11 @@ def test_dockerfile_apt_packages_exist_in_debian() -> None:
 
 
 def test_the_images_install_carries_the_whole_package(tmp_path: Path) -> None:
-    """The image installs a wheel (not an editable checkout): every file of agentenv/ but docs must
+    """The image installs a wheel (not an editable checkout): every file of forkyard/ but docs must
     be in it (package data such as the Alembic migrations' template is easily missed)."""
     src = tmp_path / "src"  # what the Dockerfile copies
     shutil.copytree(
-        REPO / "agentenv", src / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        REPO / "forkyard", src / "forkyard", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
     )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
@@ -524,9 +524,9 @@ def test_the_images_install_carries_the_whole_package(tmp_path: Path) -> None:
         [*pip, "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300
     )
     assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "wheel").glob("agentenv-*.whl")
-    in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("agentenv/")}
-    in_tree = {p.relative_to(src).as_posix() for p in (src / "agentenv").rglob("*") if p.is_file()}
+    (wheel,) = (tmp_path / "wheel").glob("forkyard-*.whl")
+    in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("forkyard/")}
+    in_tree = {p.relative_to(src).as_posix() for p in (src / "forkyard").rglob("*") if p.is_file()}
     assert sorted(f for f in in_tree - in_wheel if not f.endswith(".md")) == []
 
 
@@ -542,20 +542,20 @@ CONSTRAINED = (
 @pytest.mark.requires_root("unshare --mount, mount: a read-only root for the gateway")
 def test_the_gateway_runs_as_its_deployment_confines_it(postgres: Any) -> None:
     """The gateway needs no capability, no writable root file system and no privilege gain (what
-    the gateway Deployment and agentenv-gateway.service grant it): started so against a real
+    the gateway Deployment and forkyard-gateway.service grant it): started so against a real
     PostgreSQL it migrates the registry, answers /health and serves the API."""
     port, key = free_port(), "e2b_" + secrets.token_hex(8)
     env = {
         "PATH": os.environ["PATH"],
-        "AGENTENV_DATABASE_URL": postgres.new_database(),
-        "AGENTENV_NODE_SECRETS": json.dumps([secrets.token_hex(16)]),
-        "AGENTENV_API_KEYS": json.dumps([key]),
-        "AGENTENV_DATA_DIR": "/tmp/agentenv",  # as in the Deployment
+        "FORKYARD_DATABASE_URL": postgres.new_database(),
+        "FORKYARD_NODE_SECRETS": json.dumps([secrets.token_hex(16)]),
+        "FORKYARD_API_KEYS": json.dumps([key]),
+        "FORKYARD_DATA_DIR": "/tmp/forkyard",  # as in the Deployment
     }
     gateway = [
         sys.executable,
         "-m",
-        "agentenv.cli.main",
+        "forkyard.cli.main",
         "gateway",
         "--host",
         "127.0.0.1",
@@ -621,9 +621,9 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], Callable[[Path, Path], Proble
         "'two' is not of type 'integer'",
     ),
     "k8s setting renamed": (
-        _edit("deploy/k8s/base/configmap.yaml", "AGENTENV_NODE_HEARTBEAT_SECONDS", "AGENTENV_NODE_HEARTBEAT"),
+        _edit("deploy/k8s/base/configmap.yaml", "FORKYARD_NODE_HEARTBEAT_SECONDS", "FORKYARD_NODE_HEARTBEAT"),
         lambda root, _: k8s_env_problems(root),
-        "AGENTENV_NODE_HEARTBEAT is no Settings field",
+        "FORKYARD_NODE_HEARTBEAT is no Settings field",
     ),
     "k8s secret key missing": (
         _edit("deploy/k8s/base/secret.yaml", "  node-secrets:", "  node-secret:"),
@@ -645,13 +645,13 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], Callable[[Path, Path], Proble
         "privileged",
     ),
     "compose setting renamed": (
-        _edit(COMPOSE_FILE, "AGENTENV_NODE_SECRETS:", "AGENTENV_NODE_SECRET:"),
+        _edit(COMPOSE_FILE, "FORKYARD_NODE_SECRETS:", "FORKYARD_NODE_SECRET:"),
         lambda root, _: compose_problems(root),
-        "AGENTENV_NODE_SECRET is no Settings field",
+        "FORKYARD_NODE_SECRET is no Settings field",
     ),
     "compose bad value": (
         _edit(
-            COMPOSE_FILE, 'AGENTENV_NODE_LOST_AFTER_SECONDS: "30"', 'AGENTENV_NODE_LOST_AFTER_SECONDS: "soon"'
+            COMPOSE_FILE, 'FORKYARD_NODE_LOST_AFTER_SECONDS: "30"', 'FORKYARD_NODE_LOST_AFTER_SECONDS: "soon"'
         ),
         lambda root, _: compose_problems(root),
         "node_lost_after_seconds",
@@ -662,22 +662,22 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], Callable[[Path, Path], Proble
         "names host node-c",
     ),
     "systemd bad value": (
-        _edit("deploy/systemd/agentenv-node.service", "KillMode=process", "KillMode=sometimes"),
+        _edit("deploy/systemd/forkyard-node.service", "KillMode=process", "KillMode=sometimes"),
         systemd_problems,
         "kill mode",
     ),
     "systemd unknown key": (
-        _edit("deploy/systemd/agentenv.service", "TasksMax=infinity", "TaskMax=infinity"),
+        _edit("deploy/systemd/forkyard.service", "TasksMax=infinity", "TaskMax=infinity"),
         systemd_problems,
         "Unknown key 'TaskMax'",
     ),
     "systemd env example drift": (
-        _edit("deploy/systemd/gateway.env.example", "AGENTENV_API_KEYS=", "AGENTENV_APIKEYS="),
+        _edit("deploy/systemd/gateway.env.example", "FORKYARD_API_KEYS=", "FORKYARD_APIKEYS="),
         systemd_problems,
-        "AGENTENV_APIKEYS is no Settings field",
+        "FORKYARD_APIKEYS is no Settings field",
     ),
     "dockerfile entrypoint": (
-        _edit("Dockerfile", 'ENTRYPOINT ["agentenv"]', 'ENTRYPOINT ["/bin/sh"]'),
+        _edit("Dockerfile", 'ENTRYPOINT ["forkyard"]', 'ENTRYPOINT ["/bin/sh"]'),
         lambda root, _: dockerfile_problems(root),
         "ENTRYPOINT",
     ),
@@ -717,7 +717,7 @@ def broken_copy(tmp_path: Path, breakage: Callable[[Path], None]) -> Path:
         shutil.copy(REPO / name, root / name)
     (root / "scripts").mkdir()
     shutil.copy(REPO / "scripts/bootstrap.sh", root / "scripts/bootstrap.sh")
-    (root / "agentenv").mkdir()
+    (root / "forkyard").mkdir()
     breakage(root)
     return root
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.gvisor.disk import RootDisks, sparse_copy
+from forkyard.runtime.gvisor.disk import RootDisks, sparse_copy
 
 
 def test_sparse_copy_keeps_data_and_holes(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import Settings
-from agentenv.runtime import egress_proxy as ep
+from forkyard.config import Settings
+from forkyard.runtime import egress_proxy as ep
 
 
 def client_hello(server_hostname: str | None) -> bytes:

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.storage import envd_bundle
+from forkyard.storage import envd_bundle
 
 
 def test_hash_is_reused_until_a_bundled_source_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    package = tmp_path / "agentenv"
+    package = tmp_path / "forkyard"
     (package / "envd").mkdir(parents=True)
     source = package / "envd" / "app.py"
     source.write_text("print('v1')\n")

@@ -22,25 +22,25 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from agentenv.config import Settings
-from agentenv.runtime import network
-from agentenv.runtime.firecracker import api
-from agentenv.runtime.firecracker.memory import apply_diff_memory, copy_cow, data_ranges
-from agentenv.runtime.firecracker.runtime import (
+from forkyard.config import Settings
+from forkyard.runtime import network
+from forkyard.runtime.firecracker import api
+from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow, data_ranges
+from forkyard.runtime.firecracker.runtime import (
     FcPaths,
     FirecrackerRuntime,
     boot_requests,
     fc_paths,
     restore_requests,
 )
-from agentenv.runtime.microvm import disks as microvm_disks
-from agentenv.runtime.microvm import runtime as microvm_runtime
-from agentenv.runtime.microvm import vmnet
-from agentenv.runtime.network import SandboxNetwork
-from agentenv.storage import atomic
-from agentenv.storage.images import GuestImages, GuestKernel
-from agentenv.storage.reflink import ReflinkPool
-from agentenv.types import SandboxSpec, SnapshotRef, TemplateImage
+from forkyard.runtime.microvm import disks as microvm_disks
+from forkyard.runtime.microvm import runtime as microvm_runtime
+from forkyard.runtime.microvm import vmnet
+from forkyard.runtime.network import SandboxNetwork
+from forkyard.storage import atomic
+from forkyard.storage.images import GuestImages, GuestKernel
+from forkyard.storage.reflink import ReflinkPool
+from forkyard.types import SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import TESTS
 
 SCHEMA_FILE = TESTS / "data" / "firecracker" / "firecracker-api.yaml"

@@ -1,4 +1,4 @@
-"""Runtime selection (agentenv.runtime.registry) on this real host."""
+"""Runtime selection (forkyard.runtime.registry) on this real host."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from agentenv.config import QemuSettings, Settings
-from agentenv.errors import Invalid, http_status
-from agentenv.runtime.firecracker.runtime import FirecrackerRuntime
-from agentenv.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
-from agentenv.runtime.registry import (
+from forkyard.config import QemuSettings, Settings
+from forkyard.errors import Invalid, http_status
+from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
+from forkyard.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
+from forkyard.runtime.registry import (
     firecracker_unusable_reason,
     get_runtime,
     runtime_names,
@@ -73,11 +73,11 @@ def test_kvm_probe_reports_missing_device_and_cpu_flags(tmp_path: Path) -> None:
 
 
 def test_firecracker_pvm_mode_needs_its_own_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTENV_FIRECRACKER__PVM", "1")
-    monkeypatch.setenv("AGENTENV_FIRECRACKER__PVM_BINARY", str(tmp_path / "no-such-firecracker-pvm"))
+    monkeypatch.setenv("FORKYARD_FIRECRACKER__PVM", "1")
+    monkeypatch.setenv("FORKYARD_FIRECRACKER__PVM_BINARY", str(tmp_path / "no-such-firecracker-pvm"))
     settings = Settings(data_dir=tmp_path)
     assert settings.firecracker.binary == str(tmp_path / "no-such-firecracker-pvm")
     reason = firecracker_unusable_reason(settings)
     assert reason is not None and "no-such-firecracker-pvm" in reason
-    assert "AGENTENV_FIRECRACKER__PVM_KERNEL" in reason
+    assert "FORKYARD_FIRECRACKER__PVM_KERNEL" in reason
     assert FirecrackerRuntime(settings).probe() == reason

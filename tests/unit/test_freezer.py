@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.errors import Failed
-from agentenv.runtime.gvisor import freezer
+from forkyard.errors import Failed
+from forkyard.runtime.gvisor import freezer
 
 
 class FakeV1Freezer:
     def __init__(self, root: Path, sandbox_id: str, freezes_after_writes: int) -> None:
-        state = root / "freezer" / "agentenv" / sandbox_id / "freezer.state"
+        state = root / "freezer" / "forkyard" / sandbox_id / "freezer.state"
         state.parent.mkdir(parents=True)
         state.write_text("THAWED")
         self.freezes_after_writes = freezes_after_writes

@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from agentenv.cli.main import app
+from forkyard.cli.main import app
 
 
 @pytest.mark.parametrize("command", [["gateway"], ["node", "serve"]])
 def test_cluster_roles_need_a_database_and_a_secret(
     command: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("AGENTENV_DATABASE_URL", "AGENTENV_NODE_SECRETS"):
+    for name in ("FORKYARD_DATABASE_URL", "FORKYARD_NODE_SECRETS"):
         monkeypatch.delenv(name, raising=False)
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 2, result.output
-    assert "AGENTENV_DATABASE_URL" in result.output and "AGENTENV_NODE_SECRETS" in result.output
+    assert "FORKYARD_DATABASE_URL" in result.output and "FORKYARD_NODE_SECRETS" in result.output
 
-    monkeypatch.setenv("AGENTENV_DATABASE_URL", "postgresql+asyncpg://agentenv@127.0.0.1:1/x")
+    monkeypatch.setenv("FORKYARD_DATABASE_URL", "postgresql+asyncpg://forkyard@127.0.0.1:1/x")
     result = CliRunner().invoke(app, command)
-    assert result.exit_code == 2 and "AGENTENV_NODE_SECRETS" in result.output
-    assert "AGENTENV_DATABASE_URL" not in result.output
+    assert result.exit_code == 2 and "FORKYARD_NODE_SECRETS" in result.output
+    assert "FORKYARD_DATABASE_URL" not in result.output

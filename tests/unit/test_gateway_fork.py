@@ -1,10 +1,10 @@
-"""Fork spill-over's pure parts (agentenv/gateway/fork.py, placement.room/spread): how many
+"""Fork spill-over's pure parts (forkyard/gateway/fork.py, placement.room/spread): how many
 children the parent's node takes, where the others go, which fork bodies the gateway plans."""
 
 from __future__ import annotations
 
-from agentenv.gateway.fork import ForkRequest
-from agentenv.gateway.placement import Need, NodeInfo, Placed, note_placed, room, spread
+from forkyard.gateway.fork import ForkRequest
+from forkyard.gateway.placement import Need, NodeInfo, Placed, note_placed, room, spread
 
 NOW = 1_000_000.0
 

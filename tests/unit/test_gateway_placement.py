@@ -1,8 +1,8 @@
-"""Placement (agentenv/gateway/placement.py): who is a candidate and in which order."""
+"""Placement (forkyard/gateway/placement.py): who is a candidate and in which order."""
 
 from __future__ import annotations
 
-from agentenv.gateway.placement import Need, NodeInfo, Placed, candidates, forget_seen, note_placed
+from forkyard.gateway.placement import Need, NodeInfo, Placed, candidates, forget_seen, note_placed
 
 NOW = 1_000_000.0
 

@@ -1,5 +1,5 @@
-"""The gateway's registry side (agentenv/gateway/registry.py) and the node heartbeat
-(agentenv/orchestrator/heartbeat.py), on SQLite and on a real PostgreSQL: heartbeats upsert a
+"""The gateway's registry side (forkyard/gateway/registry.py) and the node heartbeat
+(forkyard/orchestrator/heartbeat.py), on SQLite and on a real PostgreSQL: heartbeats upsert a
 node's row, a stale node is marked lost with its sandboxes killed in one go, exactly once even
 when several gateways look at the same moment, and a node that was lost reaps on its next beat."""
 
@@ -12,10 +12,10 @@ import time
 import pytest
 from sqlalchemy import insert, select
 
-from agentenv.config import Settings
-from agentenv.gateway.registry import GatewayRegistry
-from agentenv.orchestrator.heartbeat import Capacity, Heartbeat
-from agentenv.storage.db import open_registry_at, schema
+from forkyard.config import Settings
+from forkyard.gateway.registry import GatewayRegistry
+from forkyard.orchestrator.heartbeat import Capacity, Heartbeat
+from forkyard.storage.db import open_registry_at, schema
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

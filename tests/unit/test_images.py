@@ -9,7 +9,7 @@ import struct
 import lz4.block
 import pytest
 
-from agentenv.storage import images
+from forkyard.storage import images
 
 ELF = b"\x7fELF\x02\x01\x01" + bytes(range(256)) * 64
 
@@ -64,5 +64,5 @@ def test_cpio_newc_layout() -> None:
 def test_init_script_execs_envd_from_its_drive() -> None:
     script = images.init_script()
     assert script.startswith("#!/bin/busybox sh")
-    assert "exec /bin/env -i PATH=" in script and " /bin/switch_root /newroot /.agentenv/" in script
-    assert "/.agentenv/lib/ld-linux-x86-64.so.2" in script and "-m agentenv.envd" in script
+    assert "exec /bin/env -i PATH=" in script and " /bin/switch_root /newroot /.forkyard/" in script
+    assert "/.forkyard/lib/ld-linux-x86-64.so.2" in script and "-m forkyard.envd" in script

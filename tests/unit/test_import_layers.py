@@ -33,26 +33,26 @@ def test_the_tree_keeps_its_layers() -> None:
 
 def test_a_lower_layer_importing_a_higher_one_is_caught(tmp_path: Path) -> None:
     shutil.copytree(
-        REPO / "agentenv", tmp_path / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+        REPO / "forkyard", tmp_path / "forkyard", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
     )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    offender = tmp_path / "agentenv" / "storage" / "layering_offender.py"
-    offender.write_text("from agentenv.orchestrator import lifecycle  # storage must not see it\n")
+    offender = tmp_path / "forkyard" / "storage" / "layering_offender.py"
+    offender.write_text("from forkyard.orchestrator import lifecycle  # storage must not see it\n")
 
     result = lint_imports(tmp_path)
 
     assert result.returncode != 0
-    assert "agentenv.storage.layering_offender -> agentenv.orchestrator.lifecycle" in result.stdout
+    assert "forkyard.storage.layering_offender -> forkyard.orchestrator.lifecycle" in result.stdout
 
 
 def test_envd_importing_the_host_side_is_caught(tmp_path: Path) -> None:
     shutil.copytree(
-        REPO / "agentenv", tmp_path / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+        REPO / "forkyard", tmp_path / "forkyard", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
     )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    (tmp_path / "agentenv" / "envd" / "offender.py").write_text("import agentenv.config\n")
+    (tmp_path / "forkyard" / "envd" / "offender.py").write_text("import forkyard.config\n")
 
     result = lint_imports(tmp_path)
 
     assert result.returncode != 0
-    assert "agentenv.envd.offender -> agentenv.config" in result.stdout
+    assert "forkyard.envd.offender -> forkyard.config" in result.stdout

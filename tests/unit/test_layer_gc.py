@@ -7,9 +7,9 @@ import asyncio
 import json
 from pathlib import Path
 
-from agentenv.config import Settings
-from agentenv.runtime.gvisor.runtime import GvisorRuntime
-from agentenv.types import SnapshotRef
+from forkyard.config import Settings
+from forkyard.runtime.gvisor.runtime import GvisorRuntime
+from forkyard.types import SnapshotRef
 
 
 def make_layer(runtime: GvisorRuntime, tmp: Path, name: str) -> str:

@@ -11,20 +11,20 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from agentenv.config import Settings
-from agentenv.errors import Conflict, Failed, NotFound
-from agentenv.orchestrator.envd_client import WARM_UP_COMMAND
-from agentenv.orchestrator.lifecycle import (
+from forkyard.config import Settings
+from forkyard.errors import Conflict, Failed, NotFound
+from forkyard.orchestrator.envd_client import WARM_UP_COMMAND
+from forkyard.orchestrator.lifecycle import (
     EDGES,
     STARTS_FROM,
     CreateRequest,
     Orchestrator,
     build_orchestrator,
 )
-from agentenv.orchestrator.store import SandboxRecord
-from agentenv.orchestrator.timing import utcnow
-from agentenv.orchestrator.undo import Undo
-from agentenv.types import ENVD_INIT_REVALIDATE, SandboxState
+from forkyard.orchestrator.store import SandboxRecord
+from forkyard.orchestrator.timing import utcnow
+from forkyard.orchestrator.undo import Undo
+from forkyard.types import ENVD_INIT_REVALIDATE, SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
 #: Every test on both registry backends (the default SQLite file, and PostgreSQL).
@@ -272,11 +272,11 @@ async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_pa
         assert ENVD_INIT_REVALIDATE not in runtime.seen[rec.sandbox_id].inits[-1]  # a restore: revalidate
 
         metrics = (await orch.node_metrics()).decode()
-        assert 'agentenv_lifecycle_seconds_count{detail="frozen",operation="pause"} 2.0' in metrics
-        assert 'agentenv_lifecycle_seconds_count{detail="disk",operation="resume"} 1.0' in metrics
-        assert 'agentenv_sandboxes{runtime="loopback",state="running",tier=""} 1.0' in metrics
-        assert "agentenv_node_cpus " in metrics and 'agentenv_node_memory_bytes{kind="available"}' in metrics
-        assert 'agentenv_node_allotted{resource="vcpus"}' in metrics
+        assert 'forkyard_lifecycle_seconds_count{detail="frozen",operation="pause"} 2.0' in metrics
+        assert 'forkyard_lifecycle_seconds_count{detail="disk",operation="resume"} 1.0' in metrics
+        assert 'forkyard_sandboxes{runtime="loopback",state="running",tier=""} 1.0' in metrics
+        assert "forkyard_node_cpus " in metrics and 'forkyard_node_memory_bytes{kind="available"}' in metrics
+        assert 'forkyard_node_allotted{resource="vcpus"}' in metrics
         await orch.kill(rec.sandbox_id)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from agentenv.api.server import _bind
+from forkyard.api.server import _bind
 
 
 def test_connections_the_https_listener_accepts_have_nagle_off() -> None:

@@ -1,4 +1,4 @@
-"""Captured logins (agentenv.envd.loginenv): a capture that only ran out of time is tried again."""
+"""Captured logins (forkyard.envd.loginenv): a capture that only ran out of time is tried again."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from agentenv.envd import loginenv
-from agentenv.envd.loginenv import LoginEnvironments, LoginKey
-from agentenv.envd.users import User
+from forkyard.envd import loginenv
+from forkyard.envd.loginenv import LoginEnvironments, LoginKey
+from forkyard.envd.users import User
 
 
 def _key() -> LoginKey:

@@ -1,4 +1,4 @@
-"""What the microVM runtimes share (agentenv.runtime.microvm) and what QEMU decides without a VM:
+"""What the microVM runtimes share (forkyard.runtime.microvm) and what QEMU decides without a VM:
 the accelerator, its command line, which snapshots it can restore; the state-file writes."""
 
 from __future__ import annotations
@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import FirecrackerSettings, QemuSettings, Settings
-from agentenv.errors import Conflict, Gone, NotFound, Unavailable
-from agentenv.runtime.firecracker.runtime import FirecrackerRuntime
-from agentenv.runtime.kvm import kvm_unusable_reason
-from agentenv.runtime.microvm.runtime import (
+from forkyard.config import FirecrackerSettings, QemuSettings, Settings
+from forkyard.errors import Conflict, Gone, NotFound, Unavailable
+from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
+from forkyard.runtime.kvm import kvm_unusable_reason
+from forkyard.runtime.microvm.runtime import (
     SNAPSHOT_META,
     Boot,
     claim_dir,
     read_snapshot,
     write_marker,
 )
-from agentenv.runtime.network import SandboxNetwork
-from agentenv.runtime.qemu.runtime import QemuRuntime, vm_paths
-from agentenv.storage import atomic
-from agentenv.storage.images import GuestImages, GuestKernel
-from agentenv.types import SnapshotRef
+from forkyard.runtime.network import SandboxNetwork
+from forkyard.runtime.qemu.runtime import QemuRuntime, vm_paths
+from forkyard.storage import atomic
+from forkyard.storage.images import GuestImages, GuestKernel
+from forkyard.types import SnapshotRef
 
 
 def _images(root: Path) -> GuestImages:
@@ -65,7 +65,7 @@ def test_qemu_auto_is_kvm_exactly_when_kvm_can_boot_guests(tmp_path: Path) -> No
 def test_qemu_told_to_use_an_unusable_kvm_says_why(tmp_path: Path) -> None:
     kvm_reason = kvm_unusable_reason()
     if kvm_reason is not None and _qemu(tmp_path, "tcg").probe() is None:
-        assert _qemu(tmp_path, "kvm").probe() == f"AGENTENV_QEMU__ACCEL=kvm, but {kvm_reason}"
+        assert _qemu(tmp_path, "kvm").probe() == f"FORKYARD_QEMU__ACCEL=kvm, but {kvm_reason}"
     else:
         pytest.skip(f"needs qemu and root, and a KVM that cannot boot guests (kvm: {kvm_reason})")
 

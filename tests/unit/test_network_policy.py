@@ -11,12 +11,12 @@ import pytest
 from cryptography import x509
 from dnslib import QTYPE, DNSRecord
 
-from agentenv.api import dns, tls
-from agentenv.api.routes_network import check_mask
-from agentenv.config import Settings
-from agentenv.errors import Invalid
-from agentenv.runtime import network
-from agentenv.types import EgressPolicy
+from forkyard.api import dns, tls
+from forkyard.api.routes_network import check_mask
+from forkyard.config import Settings
+from forkyard.errors import Invalid
+from forkyard.runtime import network
+from forkyard.types import EgressPolicy
 
 
 def test_policies_are_parsed_as_e2b_does() -> None:
@@ -114,7 +114,7 @@ def test_the_ca_is_made_once_and_signs_a_wildcard_for_the_domain(tmp_path: Path)
 
 
 async def test_the_responder_answers_its_domain_and_refuses_without_upstream() -> None:
-    protocol, (host, port) = await dns.start_dns("127.0.0.1:0", "agentenv.localhost", "127.0.0.9", "")
+    protocol, (host, port) = await dns.start_dns("127.0.0.1:0", "forkyard.localhost", "127.0.0.9", "")
     protocol.upstream = None
     loop = asyncio.get_running_loop()
 
@@ -122,9 +122,9 @@ async def test_the_responder_answers_its_domain_and_refuses_without_upstream() -
         return DNSRecord.parse(DNSRecord.question(name, qtype).send(host, port, timeout=3))
 
     try:
-        ours = await loop.run_in_executor(None, ask, "3000-iabc.Agentenv.Localhost")
+        ours = await loop.run_in_executor(None, ask, "3000-iabc.Forkyard.Localhost")
         assert [str(rr.rdata) for rr in ours.rr if rr.rtype == QTYPE.A] == ["127.0.0.9"]
-        assert (await loop.run_in_executor(None, ask, "3000-iabc.agentenv.localhost", "AAAA")).rr == []
+        assert (await loop.run_in_executor(None, ask, "3000-iabc.forkyard.localhost", "AAAA")).rr == []
         other = await loop.run_in_executor(None, ask, "example.com")
         assert other.header.rcode == 5 and other.rr == []  # REFUSED
     finally:
@@ -133,30 +133,30 @@ async def test_the_responder_answers_its_domain_and_refuses_without_upstream() -
 
 def test_a_lookup_teardown_removes_the_redirect_chain_and_its_jump() -> None:
     """Without the sandbox's network at hand (a crash lost it), its rules are found by tag in
-    ``iptables-save``: the AGENTENV-PRE jump and the AEP- chain go with the rest."""
+    ``iptables-save``: the FORKYARD-PRE jump and the AEP- chain go with the rest."""
     saved = "\n".join(
         [
             "*nat",
-            ":AGENTENV-PRE - [0:0]",
+            ":FORKYARD-PRE - [0:0]",
             ":AEP-aeh7 - [0:0]",
             ":AEP-aeh8 - [0:0]",
-            "-A AGENTENV-PRE -i aeh7 -p tcp -m comment --comment ae-x1 -j AEP-aeh7",
+            "-A FORKYARD-PRE -i aeh7 -p tcp -m comment --comment ae-x1 -j AEP-aeh7",
             "-A AEP-aeh7 -p tcp -m multiport --dports 80,443 -j REDIRECT --to-ports 4000",
             "COMMIT",
             "*filter",
             ":AEO-aeh7 - [0:0]",
-            "-A AGENTENV -i aeh7 -m comment --comment ae-x1 -j AEO-aeh7",
+            "-A FORKYARD -i aeh7 -m comment --comment ae-x1 -j AEO-aeh7",
             "COMMIT",
         ]
     )
     deletes = network._tagged_deletes(saved, "ae-x1", set())
     assert deletes["nat"] == [
-        "-D AGENTENV-PRE -i aeh7 -p tcp -m comment --comment ae-x1 -j AEP-aeh7",
+        "-D FORKYARD-PRE -i aeh7 -p tcp -m comment --comment ae-x1 -j AEP-aeh7",
         "-F AEP-aeh7",
         "-X AEP-aeh7",
     ]
     assert deletes["filter"] == [
-        "-D AGENTENV -i aeh7 -m comment --comment ae-x1 -j AEO-aeh7",
+        "-D FORKYARD -i aeh7 -m comment --comment ae-x1 -j AEO-aeh7",
         "-F AEO-aeh7",
         "-X AEO-aeh7",
     ]

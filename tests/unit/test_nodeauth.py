@@ -1,4 +1,4 @@
-"""Gateway -> node signatures (agentenv/api/nodeauth.py): what verifies, what is refused, and
+"""Gateway -> node signatures (forkyard/api/nodeauth.py): what verifies, what is refused, and
 the node-role middleware in front of a real ASGI app."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentenv.api import nodeauth
-from agentenv.config import Settings
-from agentenv.errors import Unauthenticated
+from forkyard.api import nodeauth
+from forkyard.config import Settings
+from forkyard.errors import Unauthenticated
 
 SECRET = "s3cret-one"
 OTHER = "s3cret-two"

@@ -20,21 +20,21 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from agentenv.config import S3Settings
-from agentenv.errors import Invalid
-from agentenv.orchestrator.background import Background
-from agentenv.orchestrator.catalog import SnapshotCatalog
-from agentenv.orchestrator.durable import DurableSnapshots
-from agentenv.storage import snapshots as storage
-from agentenv.storage.db import Registry, open_registry_at
-from agentenv.storage.objectstore import (
+from forkyard.config import S3Settings
+from forkyard.errors import Invalid
+from forkyard.orchestrator.background import Background
+from forkyard.orchestrator.catalog import SnapshotCatalog
+from forkyard.orchestrator.durable import DurableSnapshots
+from forkyard.storage import snapshots as storage
+from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.objectstore import (
     DirectoryBackend,
     Manifest,
     S3Backend,
     SnapshotObjects,
     UploadReport,
 )
-from agentenv.storage.snapshots import SnapshotRow
+from forkyard.storage.snapshots import SnapshotRow
 from tests.support.postgres import BACKENDS, PostgresCluster
 from tests.support.s3 import S3Server, s3_server
 
@@ -169,7 +169,7 @@ def test_layer_keeps_overlay_markers_owners_and_modes(s3: S3Server, tmp_path: Pa
 
 
 def _report(objects: SnapshotObjects) -> Any:
-    from agentenv.storage.objectstore import Manifest, UploadReport
+    from forkyard.storage.objectstore import Manifest, UploadReport
 
     return UploadReport(Manifest("x", {}, [], [], None))
 
@@ -204,11 +204,11 @@ def test_child_shares_parent_chunks_and_layers_and_delete_frees_only_unshared(
     # Deleting the child frees its own chunks and layer, never the parent's.
     removed = objects.delete(child, grace_seconds=0)
     after = set(s3.keys(bucket))
-    assert after == before - {"agentenv/" + k for k in removed}
+    assert after == before - {"forkyard/" + k for k in removed}
     assert (
-        f"agentenv/layers/{child_layer}.json" not in after and f"agentenv/layers/{base_layer}.json" in after
+        f"forkyard/layers/{child_layer}.json" not in after and f"forkyard/layers/{base_layer}.json" in after
     )
-    assert f"agentenv/snapshots/{child}.json" not in after
+    assert f"forkyard/snapshots/{child}.json" not in after
     assert len([k for k in removed if k.startswith("chunks/")]) >= 2  # the changed memory chunk, layer b
     manifest = objects.manifest(parent)
     assert manifest is not None
@@ -454,7 +454,7 @@ async def test_second_node_adopts_and_fetches_a_snapshot_it_never_had(node_facto
 
 
 def make_template(templates_dir: Path, built_at: str) -> Path:
-    """A template directory as ``agentenv template build`` leaves it (a tiny root file system)."""
+    """A template directory as ``forkyard template build`` leaves it (a tiny root file system)."""
     tdir = templates_dir / "base"
     (tdir / "rootfs" / "etc").mkdir(parents=True)
     (tdir / "rootfs" / "etc" / "os-release").write_text("ID=debian\n")
@@ -512,7 +512,7 @@ async def test_a_node_without_the_template_build_fetches_it_once_per_build(node_
 async def test_an_unreachable_store_leaves_the_snapshot_usable_here_and_refuses_its_delete(
     tmp_path: Path,
 ) -> None:
-    from agentenv.errors import Unavailable
+    from forkyard.errors import Unavailable
     from tests.support import free_port
 
     closed = S3Settings(

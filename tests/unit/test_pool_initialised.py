@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from agentenv.errors import Failed, Unavailable
-from agentenv.orchestrator import envd_client
-from agentenv.orchestrator.envd_client import WARM_UP_COMMAND, initialised
-from agentenv.types import SandboxInstance
+from forkyard.errors import Failed, Unavailable
+from forkyard.orchestrator import envd_client
+from forkyard.orchestrator.envd_client import WARM_UP_COMMAND, initialised
+from forkyard.types import SandboxInstance
 
 
 class FakeEnvd:

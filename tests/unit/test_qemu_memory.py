@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import QemuSettings, Settings
-from agentenv.runtime.microvm.host import pid_alive
-from agentenv.runtime.microvm.runtime import Boot
-from agentenv.runtime.qemu.runtime import UPPER_FDSET, QemuRuntime, vm_paths
-from agentenv.runtime.qemu.spares import Shape, Spare, SparePool
-from agentenv.storage.images import GuestImages, GuestKernel
-from agentenv.types import SnapshotRef
+from forkyard.config import QemuSettings, Settings
+from forkyard.runtime.microvm.host import pid_alive
+from forkyard.runtime.microvm.runtime import Boot
+from forkyard.runtime.qemu.runtime import UPPER_FDSET, QemuRuntime, vm_paths
+from forkyard.runtime.qemu.spares import Shape, Spare, SparePool
+from forkyard.storage.images import GuestImages, GuestKernel
+from forkyard.types import SnapshotRef
 
 
 def _images(root: Path, name: str = "base") -> GuestImages:

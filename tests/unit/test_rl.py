@@ -1,4 +1,4 @@
-"""The pure parts of agentenv.rl: actions as shell commands, bounded concurrency, trajectories as
+"""The pure parts of forkyard_rl: actions as shell commands, bounded concurrency, trajectories as
 JSON lines, GRPO advantages, tree shape, the rollback request, and its import-linter contract.
 The parts that talk to a server are in tests/system/test_rl.py."""
 
@@ -15,9 +15,9 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from agentenv.rl import Code, Command, Connection, ForkTree, RunResult, Trajectory, advantages
-from agentenv.rl.actions import as_command, bounded, describe, per_member
-from agentenv.rl.api import RollbackError, check_rollback, rollback_request
+from forkyard_rl import Code, Command, Connection, ForkTree, RunResult, Trajectory, advantages
+from forkyard_rl.actions import as_command, bounded, describe, per_member
+from forkyard_rl.api import RollbackError, check_rollback, rollback_request
 from tests.unit.test_import_layers import REPO, lint_imports
 
 
@@ -33,7 +33,7 @@ def test_a_string_is_a_shell_command_and_code_runs_in_python_from_a_quoted_docum
     source = "print('$HOME `x` \"q\"')\nimport sys\n"
     cmd = as_command(Code(source, user="root", cwd="/tmp"))
     assert cmd.user == "root" and cmd.cwd == "/tmp"
-    assert cmd.cmd.startswith("python3 -c \"$(cat <<'AGENTENV_CODE_")
+    assert cmd.cmd.startswith("python3 -c \"$(cat <<'FORKYARD_CODE_")
     marker = cmd.cmd.split("<<'")[1].split("'")[0]
     assert f'\n{source}\n{marker}\n)"' in cmd.cmd  # verbatim: a quoted here-document expands nothing
     assert describe(Code(source)) == ("code:python", source)
@@ -42,12 +42,12 @@ def test_a_string_is_a_shell_command_and_code_runs_in_python_from_a_quoted_docum
 
 def test_the_code_document_runs_in_a_real_shell_verbatim() -> None:
     """The command as bash would run it in the sandbox (here on the host), quotes and all."""
-    source = "import sys\nprint('a $HOME `b` \"c\"', sys.argv[0])\nprint('AGENTENV_CODE_' + 'x')"
+    source = "import sys\nprint('a $HOME `b` \"c\"', sys.argv[0])\nprint('FORKYARD_CODE_' + 'x')"
     if shutil.which("bash") is None or shutil.which("python3") is None:
         pytest.skip("needs bash and python3 on the host")
     done = subprocess.run(["bash", "-c", as_command(Code(source)).cmd], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == 'a $HOME `b` "c" -c\nAGENTENV_CODE_x\n'
+    assert done.stdout == 'a $HOME `b` "c" -c\nFORKYARD_CODE_x\n'
 
 
 def test_per_member_actions() -> None:
@@ -144,7 +144,7 @@ def fake_sandbox(sandbox_id: str) -> Any:
 
 
 def test_tree_shape_lineage_subtree_and_leaves() -> None:
-    from agentenv.rl.tree import Node
+    from forkyard_rl.tree import Node
 
     tree = ForkTree(fake_sandbox("root"))
     for node_id, parent in [("a", "root"), ("b", "root"), ("a1", "a"), ("a2", "a")]:
@@ -196,22 +196,27 @@ def test_connection_passes_only_what_is_set() -> None:
 
 def test_rl_importing_a_server_layer_is_caught(tmp_path: Path) -> None:
     shutil.copytree(
-        REPO / "agentenv", tmp_path / "agentenv", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+        REPO / "forkyard", tmp_path / "forkyard", ignore=shutil.ignore_patterns("__pycache__", "*_pb.py")
+    )
+    shutil.copytree(
+        REPO / "clients" / "rl" / "forkyard_rl",
+        tmp_path / "forkyard_rl",
+        ignore=shutil.ignore_patterns("__pycache__"),
     )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    (tmp_path / "agentenv" / "rl" / "offender.py").write_text("import agentenv.orchestrator.lifecycle\n")
+    (tmp_path / "forkyard_rl" / "offender.py").write_text("import forkyard.orchestrator.lifecycle\n")
 
     outcome = lint_imports(tmp_path)
 
     assert outcome.returncode != 0
-    assert "agentenv.rl.offender -> agentenv.orchestrator.lifecycle" in outcome.stdout
+    assert "forkyard_rl.offender -> forkyard.orchestrator.lifecycle" in outcome.stdout
 
 
 # -- the server side of rollback: the lifecycle owner on the loopback runtime (no root) -----------
 
 
 def secured(template_id: str = "base", secure: bool = True) -> Any:
-    from agentenv.orchestrator.lifecycle import CreateRequest
+    from forkyard.orchestrator.lifecycle import CreateRequest
 
     return CreateRequest(
         template_id=template_id,
@@ -224,7 +229,7 @@ def secured(template_id: str = "base", secure: bool = True) -> Any:
 
 
 async def test_rollback_replaces_the_instance_and_keeps_the_sandbox(tmp_path: Path) -> None:
-    from agentenv.types import SandboxState
+    from forkyard.types import SandboxState
     from tests.unit.test_lifecycle import loopback_node
 
     async with loopback_node(tmp_path) as (orch, runtime):
@@ -256,7 +261,7 @@ async def test_rollback_replaces_the_instance_and_keeps_the_sandbox(tmp_path: Pa
 
 
 async def test_rollback_refusals_touch_nothing(tmp_path: Path) -> None:
-    from agentenv.errors import Conflict, Invalid, NotFound
+    from forkyard.errors import Conflict, Invalid, NotFound
     from tests.unit.test_lifecycle import loopback_node
 
     async with loopback_node(tmp_path) as (orch, runtime):
@@ -280,8 +285,8 @@ async def test_rollback_refusals_touch_nothing(tmp_path: Path) -> None:
 
 
 async def test_a_failed_rollback_is_undone_by_destroying_the_sandbox(tmp_path: Path) -> None:
-    from agentenv.errors import Failed, NotFound
-    from agentenv.types import SandboxState
+    from forkyard.errors import Failed, NotFound
+    from forkyard.types import SandboxState
     from tests.unit.test_lifecycle import loopback_node
 
     async with loopback_node(tmp_path) as (orch, runtime):
@@ -307,7 +312,7 @@ async def test_a_failed_rollback_is_undone_by_destroying_the_sandbox(tmp_path: P
 def test_only_failures_that_may_pass_next_time_are_retried() -> None:
     from e2b import InvalidArgumentException, NotFoundException, SandboxException, TimeoutException
 
-    from agentenv.rl.group import retryable
+    from forkyard_rl.group import retryable
 
     assert retryable(SandboxException("500: restore failed")) and retryable(TimeoutException("slow"))
     assert retryable(SandboxException("429: rate limited"))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.errors import Failed
-from agentenv.runtime.gvisor import control
+from forkyard.errors import Failed
+from forkyard.runtime.gvisor import control
 
 
 async def _serve(path: Path, answer: bytes, calls: list[dict[str, object]]) -> asyncio.Server:

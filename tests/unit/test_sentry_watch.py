@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.gvisor.paths import SandboxPaths
-from agentenv.runtime.gvisor.runtime import _started_sentry
+from forkyard.runtime.gvisor.paths import SandboxPaths
+from forkyard.runtime.gvisor.runtime import _started_sentry
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from agentenv.storage import snapshots as storage
-from agentenv.storage.db import Registry, open_registry_at
-from agentenv.storage.snapshots import SnapshotRow, SnapshotStore
+from forkyard.storage import snapshots as storage
+from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.snapshots import SnapshotRow, SnapshotStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

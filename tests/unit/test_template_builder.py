@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from agentenv.config import Settings
-from agentenv.errors import Forbidden, Invalid
-from agentenv.orchestrator import templates
-from agentenv.orchestrator.builder import (
+from forkyard.config import Settings
+from forkyard.errors import Forbidden, Invalid
+from forkyard.orchestrator import templates
+from forkyard.orchestrator.builder import (
     BuildSpec,
     BuildStep,
     RegistryAuth,
@@ -24,9 +24,9 @@ from agentenv.orchestrator.builder import (
     _resolve,
     step_keys,
 )
-from agentenv.orchestrator.runtimes import RuntimeSet
-from agentenv.storage import templates as storage
-from agentenv.storage.images import oci_reference
+from forkyard.orchestrator.runtimes import RuntimeSet
+from forkyard.storage import templates as storage
+from forkyard.storage.images import oci_reference
 from tests.support.loopback import LoopbackRuntime
 
 
@@ -266,8 +266,8 @@ def test_skip_cache_from_the_sdk_forces_its_step_and_the_rest(
 ) -> None:
     from e2b import Template
 
-    from agentenv.api.routes_templates import build_spec
-    from agentenv.api.schemas import TemplateBuildStartV2
+    from forkyard.api.routes_templates import build_spec
+    from forkyard.api.schemas import TemplateBuildStartV2
 
     def spec_of(template: Any) -> BuildSpec:
         return build_spec(TemplateBuildStartV2.model_validate_json(Template.to_json(template)))

@@ -5,7 +5,7 @@ exchanged for a registry token through ECR's ``GetAuthorizationToken``, served b
 The registry (tests/support/auth_registry.py) is Debian's ``docker-registry`` on loopback with
 htpasswd authentication, its users the three ways in: ``alice``, Google's ``_json_key`` with a
 service account key, and ECR's ``AWS`` user with the token moto's ECR hands out. The image is a
-static busybox, so a pull takes about a second. No sandbox and no ``agentenv serve`` here: the
+static busybox, so a pull takes about a second. No sandbox and no ``forkyard serve`` here: the
 SDK's JSON for these calls goes through ``routes_templates.build_spec`` (the last test), and
 tests/system/test_template_cache.py builds from the registry through the SDK.
 """
@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 from e2b import Template
 
-from agentenv.api.routes_templates import build_spec
-from agentenv.api.schemas import TemplateBuildStartV2
-from agentenv.config import Settings
-from agentenv.errors import Invalid
-from agentenv.orchestrator.builder import BuildSpec, RegistryAuth, TemplateBuilder, registry_credentials
-from agentenv.orchestrator.runtimes import RuntimeSet
-from agentenv.storage import images
+from forkyard.api.routes_templates import build_spec
+from forkyard.api.schemas import TemplateBuildStartV2
+from forkyard.config import Settings
+from forkyard.errors import Invalid
+from forkyard.orchestrator.builder import BuildSpec, RegistryAuth, TemplateBuilder, registry_credentials
+from forkyard.orchestrator.runtimes import RuntimeSet
+from forkyard.storage import images
 from tests.support import free_port
 from tests.support.auth_registry import (
     ECR_TOKEN,
@@ -89,7 +89,7 @@ def test_aws_access_key_is_exchanged_for_an_ecr_token(
     with s3_server() as moto:  # moto's server speaks ECR too
         monkeypatch.setenv("AWS_ENDPOINT_URL_ECR", moto.endpoint)
         auth = RegistryAuth(
-            "aws", aws_access_key_id="AKIDAGENTENV", aws_secret_access_key="secret", aws_region="eu-west-1"
+            "aws", aws_access_key_id="AKIDFORKYARD", aws_secret_access_key="secret", aws_region="eu-west-1"
         )
         assert registry_credentials(auth) == (ECR_USER, ECR_TOKEN)
         _pull(registry, auth, tmp_path)

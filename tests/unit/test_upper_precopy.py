@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.gvisor import cgroups, upper_delta
+from forkyard.runtime.gvisor import cgroups, upper_delta
 
 BIG = upper_delta.PRECOPY_MIN_BYTES * 2
 

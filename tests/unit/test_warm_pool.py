@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from agentenv.orchestrator.pool import MAX_QUIET_WAITS, WarmPool
-from agentenv.types import SandboxInstance
+from forkyard.orchestrator.pool import MAX_QUIET_WAITS, WarmPool
+from forkyard.types import SandboxInstance
 
 
 class Maker:

@@ -1,3 +1,0 @@
-"""agentenv: self-hosted, E2B-compatible sandboxes for agentic reinforcement learning."""
-
-__version__ = "0.1.0"

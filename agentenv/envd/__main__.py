@@ -1,8 +1,0 @@
-"""``python -m agentenv.envd``: serve envd with uvicorn (h11, one process, no reload)."""
-
-from __future__ import annotations
-
-from agentenv.envd.server import main
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,1480 @@
+"""The one owner of the sandbox lifecycle state machine.
+
+Every transition has the same shape (the way gVisor's ``runsc/container`` does it): check the
+operation is allowed in the sandbox's state, under that sandbox's lock; run the runtime
+operation; record the new state; persist. States and edges are :data:`EDGES`; which operation
+may start from which state is :data:`STARTS_FROM` (docs/ARCHITECTURE.md draws both)::
+
+    creating --> running <--> pausing --> paused --> resuming --> running
+        |           |            |          |           |
+        +-----------+------------+----------+-----------+--> killing --> killed
+
+Every way a sandbox comes up (cold boot, template snapshot restore, warm-pool claim, user
+snapshot restore, fork child) is one path, :meth:`Orchestrator._bring_up`, which registers an
+undo for each step it took. The snapshot catalog, the template snapshots with their warm pool,
+the runtimes, the registry, envd's client and the logs are collaborators handed in at
+construction (:func:`build_orchestrator` is the composition root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import psutil
+
+from forkyard.config import Settings
+from forkyard.errors import (
+    Conflict,
+    Failed,
+    ForkyardError,
+    Gone,
+    Invalid,
+    LimitReached,
+    NotFound,
+    NotSupported,
+    Unavailable,
+)
+from forkyard.orchestrator import templates
+from forkyard.orchestrator.background import Background
+from forkyard.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from forkyard.orchestrator.durable import DurableSnapshots
+from forkyard.orchestrator.envd_client import EnvdClient
+from forkyard.orchestrator.ids import new_access_token, new_sandbox_id
+from forkyard.orchestrator.logs import SandboxLogs
+from forkyard.orchestrator.runtimes import RuntimeSet
+from forkyard.orchestrator.standbys import Standbys
+from forkyard.orchestrator.store import (
+    LIVE_STATES,
+    ListQuery,
+    LogLine,
+    Origin,
+    PauseTier,
+    SandboxRecord,
+    SandboxStore,
+)
+from forkyard.orchestrator.telemetry import Telemetry
+from forkyard.orchestrator.template_snapshots import TemplateSnapshot, TemplateSnapshots
+from forkyard.orchestrator.timing import elapsed_ms, utcnow
+from forkyard.orchestrator.undo import Undo
+from forkyard.runtime import egress_proxy, network
+from forkyard.runtime.base import Runtime
+from forkyard.storage.objectstore import SnapshotObjects
+from forkyard.storage.snapshots import SnapshotKind, SnapshotRow
+from forkyard.types import (
+    ENVD_VERSION,
+    EgressPolicy,
+    SandboxInstance,
+    SandboxMetrics,
+    SandboxSpec,
+    SandboxState,
+    TemplateImage,
+)
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+
+#: The state machine: the states a sandbox may move to from each state.
+EDGES: dict[SandboxState, frozenset[SandboxState]] = {
+    S.CREATING: frozenset({S.RUNNING, S.KILLING, S.KILLED}),
+    # A rollback (our extension) passes through "resuming": the instance is replaced by a restore.
+    S.RUNNING: frozenset({S.PAUSING, S.RESUMING, S.KILLING}),
+    # A pause whose checkpoint failed but left the sandbox alive goes back to running.
+    S.PAUSING: frozenset({S.PAUSED, S.RUNNING, S.KILLING}),
+    S.PAUSED: frozenset({S.RESUMING, S.KILLING}),
+    S.RESUMING: frozenset({S.RUNNING, S.KILLING}),
+    # A kill whose runtime clean-up failed stays "killing"; the next start-up retries it.
+    S.KILLING: frozenset({S.KILLING, S.KILLED}),
+    S.KILLED: frozenset(),
+}
+
+#: Which operation may start from which state (under the sandbox's lock; the transient states
+#: are never seen there, only by crash recovery).
+STARTS_FROM: dict[str, frozenset[SandboxState]] = {
+    "kill": frozenset({S.RUNNING, S.PAUSED}),
+    "pause": frozenset({S.RUNNING}),
+    "resume": frozenset({S.PAUSED}),
+    "connect": frozenset({S.RUNNING, S.PAUSED}),
+    "snapshot": frozenset({S.RUNNING}),
+    "fork": frozenset({S.RUNNING}),
+    "rollback": frozenset({S.RUNNING}),
+    "set_timeout": frozenset({S.RUNNING, S.PAUSED}),
+    "refresh": frozenset({S.RUNNING}),
+    # The outbound policy of a running sandbox changes in place (paused ones: 409, as in E2B).
+    "update_network": frozenset({S.RUNNING}),
+    # Within "paused": the frozen tier moves to disk (the API shows both tiers as paused).
+    "move_to_disk": frozenset({S.PAUSED}),
+}
+
+CLIENT_ID = "forkyard"
+REAPER_INTERVAL_SECONDS = 0.5
+METRICS_INTERVAL_SECONDS = 5.0
+METRICS_HISTORY = 720  # one hour at 5 s
+IDEMPOTENCY_KEYS_KEPT = 10_000
+#: Parallel restores of a fork: each is a runsc (or VMM) start plus a CPU-bound state load, so
+#: two per core keep the cores busy while one waits on I/O; more only queue.
+FORK_PARALLELISM = max(2, 2 * (os.cpu_count() or 1))
+#: The API's limit (openapi.yml: SandboxForkRequest.count maximum); the SDKs send at most 20.
+MAX_FORK_COUNT = 100
+#: Seconds the server waits for background work (template snapshots, collections) on close.
+CLOSE_GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template_id: str
+    timeout_seconds: int
+    metadata: dict[str, str]
+    envs: dict[str, str]
+    secure: bool
+    allow_internet_access: bool | None
+    auto_pause: bool = False
+    #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
+    auto_pause_memory: bool = True
+    auto_resume: bool = False
+    allow_public_traffic: bool = True
+    network: dict[str, object] | None = None
+    #: ``network.allowOut``/``denyOut`` as enforced (None: the defaults only).
+    egress: EgressPolicy | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the proxy sends a sandbox's traffic."""
+
+    sandbox_id: str
+    address: str
+    envd_url: str
+    traffic_access_token: str | None
+    #: ``network.maskRequestHost``: the Host the sandbox sees (``${PORT}`` expanded by the proxy).
+    mask_request_host: str | None = None
+    #: envd's token (secure sandboxes): a signed file URL without routing headers is routed to
+    #: the sandbox whose token signs it (the SDK's ``download_url`` with ``E2B_SANDBOX_URL``).
+    envd_access_token: str | None = None
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    at: dt.datetime
+    metrics: SandboxMetrics
+
+
+@dataclass(frozen=True)
+class ForkOutcome:
+    record: SandboxRecord | None
+    error: ForkyardError | None
+
+
+# What a sandbox comes up from (see :meth:`Orchestrator._bring_up`).
+
+
+@dataclass(frozen=True)
+class Boot:
+    image: TemplateImage
+
+
+@dataclass(frozen=True)
+class Restore:
+    row: SnapshotRow
+    image: TemplateImage
+
+
+@dataclass(frozen=True)
+class Claim:
+    instance: SandboxInstance
+    image: TemplateImage
+
+
+Source = Boot | Restore | Claim
+
+
+def conflict(rec: SandboxRecord, op: str) -> Conflict:
+    if op == "pause" and rec.state == S.PAUSED:
+        return Conflict(f"sandbox {rec.sandbox_id} is already paused")
+    if op == "resume" and rec.state == S.RUNNING:
+        return Conflict(f"sandbox {rec.sandbox_id} is already running")
+    if STARTS_FROM[op] == {S.RUNNING}:
+        return Conflict(f"sandbox {rec.sandbox_id} is {rec.state}, not running")
+    return Conflict(f"cannot {op.replace('_', ' ')} sandbox {rec.sandbox_id}: it is {rec.state}")
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def failure(exc: BaseException, what: str) -> BaseException:
+    """Why ``what`` failed, as an error kind the API can answer with: the kind of an
+    :class:`ForkyardError` is kept; anything unexpected is :class:`Failed` (the caller chains
+    the cause)."""
+    if isinstance(exc, ForkyardError):
+        return type(exc)(f"{what} failed: {exc.message}")
+    if isinstance(exc, Exception):
+        return Failed(f"{what} failed: {type(exc).__name__}: {exc}")
+    return exc  # cancellation and interpreter exits pass as they are
+
+
+def _created_message(rec: SandboxRecord) -> str:
+    if rec.origin == "boot":
+        return "sandbox created"
+    if rec.origin == "warm_pool":
+        return "sandbox created from the warm pool"
+    if rec.origin == "standby":
+        return f"sandbox created from a standby of {rec.restored_from}"
+    if rec.origin == "template":
+        return f"sandbox created from its template's snapshot {rec.restored_from}"
+    return f"sandbox restored from {rec.restored_from}"
+
+
+def raise_failure(exc: BaseException, what: str) -> NoReturn:
+    err = failure(exc, what)
+    if err is exc:
+        raise exc
+    raise err from exc
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        runtimes: RuntimeSet,
+        store: SandboxStore,
+        catalog: SnapshotCatalog,
+        template_snapshots: TemplateSnapshots,
+        standbys: Standbys,
+        background: Background,
+        envd: EnvdClient,
+        logs: SandboxLogs,
+        telemetry: Telemetry,
+    ) -> None:
+        self.settings = settings
+        self.runtimes = runtimes
+        self.store = store
+        self.catalog = catalog
+        self.template_snapshots = template_snapshots
+        self.standbys = standbys
+        self.background = background
+        self.envd = envd
+        self.logs = logs
+        self.telemetry = telemetry
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._routes: dict[str, Route] = {}
+        #: Per running sandbox, the task waiting for its processes to die (:meth:`_watch`).
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        #: The runtime's wait behind each watcher (its result: why the sandbox died, or None).
+        self._exits: dict[str, asyncio.Task[str | None]] = {}
+        #: Called with a sandbox's id when it stops being reachable (kill, pause, death,
+        #: snapshot): the API layer ends the streams its proxy has open to it.
+        self._detach_listeners: list[Callable[[str], None]] = []
+        #: Counting the node's sandboxes and inserting a new one are one step (``max_sandboxes``).
+        self._admission = asyncio.Lock()
+        self._metrics: dict[str, list[MetricSample]] = {}
+        self._idempotency: dict[str, str] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        #: Frozen sandboxes whose move to disk is under way.
+        self._moving: set[str] = set()
+
+    # -- start-up and shut-down ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.open()
+        await self.catalog.open(self.store.db)
+        # Before recovery: sandboxes that outlived the last run may have domain rules to serve.
+        await network.resume_egress_proxy(self.settings)
+        await self._recover()
+        paused = {r.sandbox_id: r.pause_snapshot or "" for r in await self.store.in_states((S.PAUSED,))}
+        removed = await self.catalog.sweep(paused)
+        if removed:
+            log.info("snapshot recovery removed %s", ", ".join(removed))
+        await self.catalog.collect_garbage(self.runtimes)
+        await self.template_snapshots.warm_up()
+        self._reaper = asyncio.create_task(self._reap_forever(), name="forkyard-reaper")
+
+    async def close(self) -> None:
+        """Stop background work and kill pooled sandboxes. Sandboxes with a record keep running:
+        a restarted server re-attaches them."""
+        await self.template_snapshots.close()
+        await self.standbys.close()
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for sandbox_id in list(self._watchers):  # the sandboxes run on; a restart re-watches
+            self._unwatch(sandbox_id)
+        await self.background.drain(CLOSE_GRACE_SECONDS)
+        for runtime in self.runtimes:  # what runtimes keep ahead of demand (QEMU spares)
+            await runtime.stop_prestarted()
+        await self.envd.close()
+        await egress_proxy.stop()
+        await self.store.close()
+
+    async def _recover(self) -> None:
+        """Re-attach sandboxes that survived a server restart, revive a fork's parent a crash
+        left stopped, clean up the rest; then have each runtime remove what no record names."""
+        for rec in await self.store.in_states(LIVE_STATES):
+            if rec.state == S.RUNNING and await self._is_alive(rec):
+                self._attach(rec)
+                log.info("recovery: re-attached running sandbox %s", rec.sandbox_id)
+            elif rec.state == S.RUNNING and await self._revive(rec):
+                log.info("recovery: revived sandbox %s from its fork checkpoint", rec.sandbox_id)
+            else:
+                log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
+                with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
+                    await self._destroy(
+                        rec, reason=f"server restart found it {rec.state} but not alive", release_now=True
+                    )
+        for rec in await self.store.in_states((S.PAUSED,)):
+            await self._recover_paused(rec)
+        keep = {r.sandbox_id for r in await self.store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
+        for runtime in self.runtimes:
+            try:
+                removed = await runtime.cleanup_orphans(keep)
+            except Exception:
+                log.exception("recovery: %s cleanup_orphans failed", runtime.name)
+                continue
+            if removed:
+                log.info("recovery: %s removed leaked sandboxes %s", runtime.name, ", ".join(removed))
+
+    async def _recover_paused(self, rec: SandboxRecord) -> None:
+        """A frozen sandbox outlives the server (its processes stay, frozen); one a crash caught
+        moving to disk is frozen again if it still runs, or takes the pause snapshot that
+        checkpoint committed; one whose processes are gone (a host reboot) is lost."""
+        if rec.pause_tier in ("disk", "filesystem"):  # nothing of it runs; its disk is kept
+            return
+        alive = await self._is_alive(rec)
+        if alive and rec.pause_tier == "frozen":
+            log.info("recovery: paused sandbox %s is still frozen in place", rec.sandbox_id)
+            self._watch(rec)
+            return
+        if alive and await self._freeze(rec):  # a move to disk was cut short: it runs, thawed
+            rec.pause_tier = "frozen"
+            await self.store.save(rec)
+            self._watch(rec)
+            log.info("recovery: paused sandbox %s frozen again in place", rec.sandbox_id)
+            return
+        committed = await self.catalog.rows("pause", source=rec.sandbox_id)
+        if committed:
+            rec.pause_snapshot, rec.pause_tier = committed[0].snapshot_id, "disk"
+            await self.store.save(rec)
+            log.info("recovery: paused sandbox %s is on disk (%s)", rec.sandbox_id, rec.pause_snapshot)
+            return
+        with contextlib.suppress(Failed):
+            await self._destroy(rec, reason="server restart found the frozen sandbox gone", release_now=True)
+
+    async def _is_alive(self, rec: SandboxRecord) -> bool:
+        if rec.instance is None:
+            return False
+        try:
+            return await self._runtime(rec).is_alive(rec.instance)
+        except Exception as exc:
+            log.warning("recovery: cannot tell whether %s is alive: %s", rec.sandbox_id, exc)
+            return False
+
+    async def _revive(self, rec: SandboxRecord) -> bool:
+        """Restore a sandbox recorded running but found stopped from the fork checkpoint a crash
+        cut short (a fork's parent is stopped between its checkpoint and its own restore)."""
+        rows = await self.catalog.rows("fork", source=rec.sandbox_id)
+        if not rows:
+            return False
+        try:
+            await self._restore_in_place(rec, rows[0])
+        except Exception as exc:
+            log.warning("reviving %s from %s failed: %s", rec.sandbox_id, rows[0].snapshot_id, exc)
+            return False
+        await self.store.save(rec)
+        self._attach(rec)
+        return True
+
+    # -- the shape of every transition ---------------------------------------------------------
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    @contextlib.asynccontextmanager
+    async def _operate(self, sandbox_id: str, op: str) -> AsyncIterator[SandboxRecord]:
+        """Hold the sandbox's lock and yield its record once ``op`` may start from its state."""
+        async with self._lock(sandbox_id):
+            rec = await self.get(sandbox_id)
+            if rec.state not in STARTS_FROM[op]:
+                raise conflict(rec, op)
+            yield rec
+
+    async def _enter(self, rec: SandboxRecord, state: SandboxState) -> None:
+        """Record ``rec``'s move to ``state`` and persist it (the caller holds the lock)."""
+        if state != rec.state and state not in EDGES[rec.state]:
+            raise Failed(f"sandbox {rec.sandbox_id}: no transition from {rec.state} to {state}")
+        rec.state = state
+        await self.store.save(rec)
+
+    def _runtime(self, rec: SandboxRecord) -> Runtime:
+        return self.runtimes.named(rec.runtime)
+
+    def _attach(self, rec: SandboxRecord) -> None:
+        """Make a running sandbox reachable through the proxy."""
+        assert rec.instance is not None
+        self._routes[rec.sandbox_id] = Route(
+            sandbox_id=rec.sandbox_id,
+            address=rec.instance.address,
+            envd_url=rec.instance.envd_url,
+            traffic_access_token=rec.traffic_access_token,
+            envd_access_token=rec.envd_access_token,
+            mask_request_host=_str_or_none(rec.network.get("maskRequestHost")),
+        )
+        self._watch(rec)
+
+    def _detach(self, sandbox_id: str) -> None:
+        self._routes.pop(sandbox_id, None)
+        self._metrics.pop(sandbox_id, None)
+        self._unwatch(sandbox_id)
+        for listener in self._detach_listeners:
+            try:
+                listener(sandbox_id)
+            except Exception:
+                log.exception("detach listener failed for %s", sandbox_id)
+
+    def add_detach_listener(self, listener: Callable[[str], None]) -> None:
+        """Have ``listener(sandbox_id)`` called whenever a sandbox stops being reachable."""
+        self._detach_listeners.append(listener)
+
+    # -- dead-sandbox detection ----------------------------------------------------------------
+
+    def _unwatch(self, sandbox_id: str) -> None:
+        watcher = self._watchers.pop(sandbox_id, None)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()  # what stops the sandbox now is an operation of ours
+        exit_wait = self._exits.pop(sandbox_id, None)
+        if exit_wait is not None:
+            exit_wait.cancel()
+
+    def _watch(self, rec: SandboxRecord) -> None:
+        """Wait (a pidfd or the like, not polling) for the processes of a running or frozen
+        sandbox to die. Every operation that stops it on purpose unwatches it first."""
+        assert rec.instance is not None
+        self._unwatch(rec.sandbox_id)
+        exit_wait = asyncio.create_task(self._runtime(rec).wait_exit(rec.instance))
+        self._exits[rec.sandbox_id] = exit_wait
+        self._watchers[rec.sandbox_id] = asyncio.create_task(
+            self._await_death(rec.sandbox_id, rec.instance, exit_wait), name=f"watch-{rec.sandbox_id}"
+        )
+
+    async def _await_death(
+        self, sandbox_id: str, instance: SandboxInstance, exit_wait: asyncio.Task[str | None]
+    ) -> None:
+        try:
+            reason = await exit_wait
+        except Exception as exc:  # cannot watch: the sandbox is found dead on its next use
+            log.warning("cannot watch sandbox %s for its death: %s", sandbox_id, exc)
+            return
+        if reason is not None:
+            await self._died(sandbox_id, instance, reason)
+
+    async def _died(self, sandbox_id: str, instance: SandboxInstance, reason: str) -> None:
+        """Record a death nobody asked for: killed with the reason in its logs, its network and
+        disk freed (``_destroy``); the API then reports it gone, as E2B does (404)."""
+        async with self._lock(sandbox_id):
+            if self._watchers.get(sandbox_id) is asyncio.current_task():
+                del self._watchers[sandbox_id]
+                self._exits.pop(sandbox_id, None)
+            rec = await self.store.get(sandbox_id)
+            frozen = rec is not None and rec.state == S.PAUSED and rec.pause_tier == "frozen"
+            if rec is None or not (rec.state == S.RUNNING or frozen) or rec.instance != instance:
+                return  # an operation of ours replaced or stopped it meanwhile
+            log.warning("sandbox %s died: %s", sandbox_id, reason)
+            await self.logs.event(sandbox_id, "error", f"sandbox died: {reason}")
+            with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
+                await self._destroy(rec, reason=f"its processes died ({reason})")
+
+    def route(self, sandbox_id: str) -> Route | None:
+        return self._routes.get(sandbox_id)
+
+    def routes(self) -> list[Route]:
+        """The routes of every reachable sandbox."""
+        return list(self._routes.values())
+
+    @staticmethod
+    def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
+        return SandboxSpec(
+            sandbox_id=rec.sandbox_id,
+            template=image,
+            envs=rec.envs,
+            allow_internet_access=rec.allow_internet_access is not False,
+            envd_access_token=rec.envd_access_token,
+            egress=rec.egress,
+        )
+
+    # -- bringing a sandbox up: create, restore, claim, fork child -----------------------------
+
+    async def create(self, req: CreateRequest, idempotency_key: str | None = None) -> SandboxRecord:
+        """Create a sandbox from a template or a user snapshot (``templateID`` names either).
+        Runs shielded: a client that disconnects mid-way does not leave a half-made sandbox."""
+        if idempotency_key and idempotency_key in self._idempotency:
+            existing = await self.store.get(self._idempotency[idempotency_key])
+            if existing and existing.state != S.KILLED:
+                return existing
+        rec = await asyncio.shield(self.background.spawn(self._create(req)))
+        if idempotency_key:
+            self._idempotency[idempotency_key] = rec.sandbox_id
+            while len(self._idempotency) > IDEMPOTENCY_KEYS_KEPT:  # oldest first (dict order)
+                self._idempotency.pop(next(iter(self._idempotency)))
+        return rec
+
+    async def _create(self, req: CreateRequest) -> SandboxRecord:
+        row = await self.catalog.find_user_snapshot(req.template_id)
+        if row is not None:
+            return await self._from_user_snapshot(row, req)
+        info = templates.load(req.template_id, self.settings)
+        runtime = self.runtimes.for_template(info.image)
+        snap = await self.template_snapshots.lookup(info, runtime)
+        if snap is not None:
+            rec = await self._from_template_snapshot(snap, req)
+            if rec is not None:
+                return rec
+        new = self._new_record(
+            new_sandbox_id(),
+            req,
+            template_id=info.image.template_id,
+            runtime=runtime.name,
+            image=info.image,
+            origin="boot",
+        )
+        rec = await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
+        if info.start is not None and rec.instance is not None:
+            # A boot, not the template's snapshot: start the start command it would have running.
+            await self.template_snapshots.start_command(info, rec.instance, rec.envd_access_token)
+        return rec
+
+    async def _from_template_snapshot(
+        self, snap: TemplateSnapshot, req: CreateRequest
+    ) -> SandboxRecord | None:
+        """Claim a warm-pool sandbox, else restore the template's snapshot; None (boot instead)
+        when the snapshot does not restore. Pooled sandboxes have internet access."""
+        template_id = snap.image.template_id
+        instance = self.template_snapshots.claim(snap) if req.allow_internet_access is not False else None
+        if instance is not None:
+            rec = self._from_snapshot_record(snap.row, instance.sandbox_id, req, template_id, "warm_pool")
+            try:
+                return await self._bring_up(
+                    rec, snap.runtime, Claim(instance, snap.image), req.timeout_seconds
+                )
+            except ForkyardError as exc:
+                log.warning("claiming pooled sandbox %s failed (%s); restoring instead", rec.sandbox_id, exc)
+        try:
+            return await self._restore_new(snap.row, req, template_id=template_id, origin="template")
+        except (Failed, Unavailable, Gone) as exc:
+            log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
+            await self.template_snapshots.drop(snap)
+            self.background.spawn(self.catalog.collect_garbage(self.runtimes))
+            return None
+
+    async def _from_user_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
+        """Claim a standby of the snapshot, else restore it. Standbys have internet access."""
+        instance = await self.standbys.claim(row) if req.allow_internet_access is not False else None
+        if instance is not None:
+            rec = self._from_snapshot_record(row, instance.sandbox_id, req, None, "standby")
+            image = SnapshotMeta.of(row).image(row.template_id)
+            try:
+                return await self._bring_up(
+                    rec, self._runtime(rec), Claim(instance, image), req.timeout_seconds
+                )
+            except ForkyardError as exc:
+                log.warning("claiming standby %s failed (%s); restoring instead", rec.sandbox_id, exc)
+        return await self._restore_new(row, req, origin="snapshot")
+
+    async def _restore_new(
+        self, row: SnapshotRow, req: CreateRequest, *, origin: Origin, template_id: str | None = None
+    ) -> SandboxRecord:
+        rec = self._from_snapshot_record(row, new_sandbox_id(), req, template_id, origin)
+        image = SnapshotMeta.of(row).image(row.template_id)
+        return await self._bring_up(rec, self._runtime(rec), Restore(row, image), req.timeout_seconds)
+
+    async def _bring_up(
+        self, rec: SandboxRecord, runtime: Runtime, source: Source, timeout_seconds: int
+    ) -> SandboxRecord:
+        """The one way a sandbox comes up: registry row, runtime instance (boot, restore or a
+        pooled one), envd ``/init``, running. Each step registers its undo; a failure undoes them
+        newest first and leaves a killed record with the reason in its logs."""
+        undo = Undo(f"bringing up sandbox {rec.sandbox_id}")
+        started = time.monotonic()
+        async with self._lock(rec.sandbox_id):
+            await self._admit(rec, runtime, source)
+            try:
+                undo.push("registry row", lambda: self._mark_failed(rec, runtime))
+                undo.push(
+                    "runtime instance",
+                    lambda: runtime.kill(
+                        rec.instance or SandboxInstance.placeholder(rec.sandbox_id, runtime.name)
+                    ),
+                )
+                rec.instance = await self._materialise(runtime, source, self._spec(rec, source.image))
+                up = time.monotonic()
+                # A pooled sandbox had its restore's /init when it was made: this one only hands over.
+                await self.envd.init(
+                    rec.instance, rec.envs, rec.envd_access_token, revalidate=not isinstance(source, Claim)
+                )
+                await self._go_live(rec, timeout_seconds)
+                undo.commit()
+            except BaseException as exc:
+                await undo.rollback()
+                await self.logs.event(rec.sandbox_id, "error", f"sandbox creation failed: {exc}")
+                raise_failure(exc, "sandbox creation" if isinstance(source, Boot) else "sandbox restore")
+        self.telemetry.observe("create", rec.origin, time.monotonic() - started)
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            _created_message(rec),
+            runtime=runtime.name,
+            template=rec.template_id,
+            up_ms=str(round((up - started) * 1000)),
+            init_ms=str(elapsed_ms(up)),
+        )
+        return rec
+
+    async def _admit(self, rec: SandboxRecord, runtime: Runtime, source: Source) -> None:
+        """Insert the new sandbox's row unless the node holds ``max_sandboxes`` already (429, as
+        E2B's concurrency limit: the gateway places the sandbox elsewhere). Resumes are not
+        counted here: a paused sandbox keeps its place."""
+        cap = self.settings.max_sandboxes
+        if cap <= 0:
+            await self.store.insert(rec)
+            return
+        async with self._admission:
+            held = len(await self.store.in_states((S.CREATING, S.RUNNING, S.RESUMING)))
+            if held >= cap:
+                if isinstance(source, Claim):  # taken from a pool: nothing else will stop it
+                    with contextlib.suppress(Exception):
+                        await runtime.kill(source.instance)
+                raise LimitReached(
+                    f"this node runs its maximum of {cap} concurrent sandboxes (FORKYARD_MAX_SANDBOXES)"
+                )
+            await self.store.insert(rec)
+
+    async def _materialise(self, runtime: Runtime, source: Source, spec: SandboxSpec) -> SandboxInstance:
+        if isinstance(source, Boot):
+            return await runtime.create(spec)
+        if isinstance(source, Restore):
+            # use(): what this node lacks of the snapshot is fetched from the snapshot store first.
+            async with self.catalog.use(source.row) as ref:
+                return await runtime.restore(spec, ref)
+        await runtime.claimed(source.instance)
+        if spec.egress is not None:  # pooled with the defaults: its policy before anyone uses it
+            await runtime.update_network(
+                source.instance, allow_internet_access=spec.allow_internet_access, egress=spec.egress
+            )
+        return source.instance
+
+    async def _go_live(self, rec: SandboxRecord, timeout_seconds: int) -> None:
+        """Running, reachable, and the timeout counts from now (when it is usable, as E2B's)."""
+        now = utcnow()
+        rec.started_at = now
+        rec.end_at = now + dt.timedelta(seconds=timeout_seconds)
+        await self._enter(rec, S.RUNNING)
+        self._attach(rec)
+
+    async def _mark_failed(self, rec: SandboxRecord, runtime: Runtime) -> None:
+        rec.end_at = utcnow()
+        await self._enter(rec, S.KILLED)
+        log.warning("create of %s on %s failed; its record is marked killed", rec.sandbox_id, runtime.name)
+
+    def _new_record(
+        self,
+        sandbox_id: str,
+        req: CreateRequest,
+        *,
+        template_id: str,
+        runtime: str,
+        image: TemplateImage | SnapshotMeta,
+        origin: Origin,
+        alias: str | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        envd_access_token: str | None = None,
+        restored_from: str | None = None,
+    ) -> SandboxRecord:
+        now = utcnow()
+        vcpus = image.vcpus if isinstance(image, TemplateImage) else image.cpu_count
+        return SandboxRecord(
+            sandbox_id=sandbox_id,
+            template_id=template_id,
+            alias=alias or template_id,
+            client_id=CLIENT_ID,
+            state=S.CREATING,
+            started_at=now,
+            end_at=now + dt.timedelta(seconds=req.timeout_seconds),
+            cpu_count=vcpus,
+            memory_mb=image.memory_mb,
+            disk_mb=image.disk_mb,
+            runtime=runtime,
+            envd_version=ENVD_VERSION,
+            metadata=dict(metadata if metadata is not None else req.metadata),
+            envs=dict(envs if envs is not None else req.envs),
+            envd_access_token=envd_access_token or (new_access_token() if req.secure else None),
+            traffic_access_token=None if req.allow_public_traffic else new_access_token(),
+            allow_internet_access=req.allow_internet_access,
+            auto_pause=req.auto_pause,
+            auto_pause_memory=req.auto_pause_memory,
+            auto_resume=req.auto_resume,
+            network=dict(req.network or {}),
+            egress=req.egress,
+            origin=origin,
+            restored_from=restored_from,
+            memory_base=restored_from,
+        )
+
+    def _from_snapshot_record(
+        self, row: SnapshotRow, sandbox_id: str, req: CreateRequest, template_id: str | None, origin: Origin
+    ) -> SandboxRecord:
+        """A user snapshot's sandboxes carry its id as their template; a template snapshot's carry
+        the template's id. Metadata and env vars default to the snapshot's; envd in the image
+        keeps the source's access token, if any."""
+        meta = SnapshotMeta.of(row)
+        return self._new_record(
+            sandbox_id,
+            req,
+            template_id=template_id or row.snapshot_id,
+            runtime=row.runtime,
+            image=meta,
+            origin=origin,
+            alias=template_id or row.name or row.snapshot_id,
+            envs={**meta.envs, **req.envs},
+            metadata=req.metadata or meta.metadata,
+            envd_access_token=meta.envd_access_token,
+            restored_from=row.snapshot_id,
+        )
+
+    # -- queries -------------------------------------------------------------------------------
+
+    async def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = await self.store.get(sandbox_id)
+        if rec is None or rec.state == S.KILLED:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        return rec
+
+    async def list_sandboxes(self, query: ListQuery) -> list[SandboxRecord]:
+        return await self.store.query(query)
+
+    async def sandbox_logs(
+        self, sandbox_id: str, *, start: dt.datetime | None, limit: int, ascending: bool = True
+    ) -> list[LogLine]:
+        rec = await self.store.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if rec.state != S.KILLED:
+            await self.logs.collect(rec)
+        return await self.store.logs(sandbox_id, start=start, limit=limit, ascending=ascending)
+
+    async def metrics(self, sandbox_id: str) -> list[MetricSample]:
+        """The sampled history plus a fresh sample (running sandboxes only have metrics)."""
+        rec = await self.get(sandbox_id)
+        if rec.state == S.RUNNING:
+            await self._sample(rec)
+        return list(self._metrics.get(sandbox_id, []))
+
+    async def _sample(self, rec: SandboxRecord) -> None:
+        if rec.instance is None:
+            return
+        try:
+            m = await self._runtime(rec).metrics(rec.instance)
+        except Exception as exc:  # a sandbox mid-transition has no metrics: skip this sample
+            log.debug("metrics of %s failed: %s", rec.sandbox_id, exc)
+            return
+        history = self._metrics.setdefault(rec.sandbox_id, [])
+        history.append(MetricSample(utcnow(), m))
+        del history[:-METRICS_HISTORY]
+
+    # -- kill and timeouts ---------------------------------------------------------------------
+
+    async def kill(self, sandbox_id: str) -> None:
+        started = time.monotonic()
+        async with self._operate(sandbox_id, "kill") as rec:
+            await self._destroy(rec, reason="killed by request")
+        self.telemetry.observe("kill", "", time.monotonic() - started)
+
+    async def reap_killed_elsewhere(self) -> list[str]:
+        """Stop the sandboxes running here whose registry rows say killed: a gateway found this
+        node lost (cluster mode) while they ran on; the cluster already reports them gone.
+        (At start-up recovery needs nothing extra: a killed row is not re-attached, and
+        ``cleanup_orphans`` removes what no live row names.)"""
+        reaped = []
+        for sandbox_id in list(self._routes):
+            async with self._lock(sandbox_id):  # an operation under way finishes first
+                rec = await self.store.get(sandbox_id)
+                if rec is None or rec.state != S.KILLED or sandbox_id not in self._routes:
+                    continue
+                self._detach(sandbox_id)
+                instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
+                try:
+                    await self._runtime(rec).kill(instance)
+                except Exception as exc:  # start-up's cleanup_orphans removes what is left
+                    log.warning("reaping %s (killed while this node was lost) failed: %s", sandbox_id, exc)
+                reaped.append(sandbox_id)
+        return reaped
+
+    async def node_metrics(self) -> bytes:
+        """The node's metrics in Prometheus' text format (the API's ``/metrics``)."""
+        return self.telemetry.exposition(await self.store.in_states((*LIVE_STATES, S.PAUSED)))
+
+    async def _destroy(self, rec: SandboxRecord, *, reason: str, release_now: bool = False) -> None:
+        """Stop the sandbox, mark it killed, then free what it held (caller holds the lock, or it
+        is recovery).
+
+        Only the stop is waited for: once ``Runtime.halt`` returns, nothing of the sandbox runs
+        or answers. Its network, disk, cgroup and pause snapshot are released in the background
+        (``release_now`` waits, for recovery, which sweeps orphans right after): those steps
+        were 80 % of a kill's time and nobody waits on them. A crash before they finish leaves
+        no record naming them, so start-up's ``cleanup_orphans`` and snapshot sweep remove them."""
+        self._detach(rec.sandbox_id)
+        try:
+            await self.logs.collect(rec)  # the files go away with the sandbox
+        except OSError as exc:
+            log.warning("collecting the logs of %s failed: %s", rec.sandbox_id, exc)
+        await self._enter(rec, S.KILLING)
+        instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
+        runtime = self._runtime(rec)
+        try:
+            await (runtime.kill(instance) if release_now else runtime.halt(instance))
+        except Exception as exc:
+            await self.logs.event(rec.sandbox_id, "error", f"kill failed: {exc}")
+            raise Failed(f"killing sandbox {rec.sandbox_id} failed: {exc}") from exc
+        pause_snapshot, rec.pause_snapshot = rec.pause_snapshot, None
+        rec.end_at = min(rec.end_at, utcnow())
+        await self._enter(rec, S.KILLED)
+        self.logs.forget(rec.sandbox_id)
+        await self.logs.event(rec.sandbox_id, "info", f"sandbox killed: {reason}")
+        release = self._release(runtime, instance, pause_snapshot, runtime_done=release_now)
+        if release_now:
+            await release
+        else:
+            self.background.spawn(release, name=f"release-{rec.sandbox_id}")
+
+    async def _release(
+        self, runtime: Runtime, instance: SandboxInstance, pause_snapshot: str | None, *, runtime_done: bool
+    ) -> None:
+        """Free what a killed sandbox held: its runtime resources (unless ``runtime_done``), its
+        pause snapshot, then the disk layers nothing uses any more."""
+        if not runtime_done:
+            try:
+                await runtime.kill(instance)
+            except Exception as exc:  # no record names it now: start-up's orphan sweep retries
+                log.warning("releasing killed sandbox %s failed: %s", instance.sandbox_id, exc)
+        if pause_snapshot:
+            await self.catalog.delete(pause_snapshot)
+        await self.catalog.collect_garbage(self.runtimes)
+
+    async def set_timeout(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
+        """The sandbox now expires ``timeout_seconds`` from now (shorter or longer)."""
+        async with self._operate(sandbox_id, "set_timeout") as rec:
+            rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
+            await self.store.save(rec)
+            return rec
+
+    async def refresh(self, sandbox_id: str, duration_seconds: int) -> SandboxRecord:
+        """Keep alive for at least ``duration_seconds`` more (never shortens)."""
+        async with self._operate(sandbox_id, "refresh") as rec:
+            rec.end_at = max(rec.end_at, utcnow() + dt.timedelta(seconds=duration_seconds))
+            await self.store.save(rec)
+            return rec
+
+    async def update_network(
+        self,
+        sandbox_id: str,
+        *,
+        egress: EgressPolicy,
+        allow_internet_access: bool | None,
+        dns_servers: list[str] | None = None,
+    ) -> SandboxRecord:
+        """Replace a running sandbox's outbound policy (E2B's ``PUT /sandboxes/{id}/network``:
+        what the update leaves out is cleared). The rules change first, then the record, so a
+        record never claims a policy the sandbox does not have; both survive pause, snapshot,
+        fork and restart (every restore builds its network from the record)."""
+        async with self._operate(sandbox_id, "update_network") as rec:
+            assert rec.instance is not None
+            await self._runtime(rec).update_network(
+                rec.instance, allow_internet_access=allow_internet_access is not False, egress=egress
+            )
+            rec.egress = egress if egress.allow_out or egress.deny_out else None
+            rec.allow_internet_access = allow_internet_access
+            rec.network = {k: v for k, v in rec.network.items() if k != "dnsServers"}
+            if dns_servers is not None:
+                rec.network["dnsServers"] = list(dns_servers)
+            await self.store.save(rec)
+            await self.logs.event(
+                sandbox_id,
+                "info",
+                "network policy updated",
+                allow_out=",".join([*egress.allow_out, *egress.allow_domains]),
+                deny_out=",".join(egress.deny_out),
+                internet="off" if allow_internet_access is False else "on",
+            )
+            return rec
+
+    async def _reap_forever(self) -> None:
+        last_metrics = 0.0
+        while True:
+            try:
+                await self._reap_expired()
+                frozen = [r for r in await self.store.in_states((S.PAUSED,)) if r.pause_tier == "frozen"]
+                self._move_frozen_to_disk(frozen)
+                if time.monotonic() - last_metrics >= METRICS_INTERVAL_SECONDS:
+                    last_metrics = time.monotonic()
+                    for rec in await self.store.in_states((S.RUNNING,)):
+                        await self._sample(rec)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("timeout reaper iteration failed")  # the next iteration retries
+            await asyncio.sleep(REAPER_INTERVAL_SECONDS)
+
+    async def _reap_expired(self) -> None:
+        ids = await self.store.expired(utcnow())
+        if ids:
+            await asyncio.gather(*(self._expire(i) for i in ids))
+
+    async def _expire(self, sandbox_id: str) -> None:
+        try:
+            async with self._lock(sandbox_id):
+                rec = await self.get(sandbox_id)
+                # Re-check under the lock: a set_timeout may have won the race.
+                if rec.state != S.RUNNING or rec.end_at > utcnow():
+                    return
+                if rec.auto_pause:
+                    await self.logs.event(sandbox_id, "info", "timeout reached: pausing (autoPause)")
+                    await self._pause_locked(rec, memory=rec.auto_pause_memory)
+                else:
+                    await self._destroy(rec, reason="timeout reached")
+        except NotFound:
+            return
+        except ForkyardError as exc:
+            log.error("expiring sandbox %s failed: %s", sandbox_id, exc)
+
+    # -- pause and resume ----------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        async with self._operate(sandbox_id, "pause") as rec:
+            await self._pause_locked(rec, memory=memory)
+
+    async def _pause_locked(self, rec: SandboxRecord, *, memory: bool = True) -> None:
+        """Freeze in place (the first tier) where the runtime can, else checkpoint to disk. A
+        frozen sandbox is moved to disk later by :meth:`_move_to_disk`. ``memory=False`` (E2B's
+        filesystem-only pause): :meth:`_pause_filesystem`."""
+        assert rec.instance is not None
+        if not memory:
+            await self._pause_filesystem(rec)
+            return
+        self._detach(rec.sandbox_id)
+        await self._enter(rec, S.PAUSING)
+        started = time.monotonic()
+        if self.settings.pause_freeze and await self._freeze(rec):
+            await self._paused(rec, "frozen", started)
+            return
+        try:
+            row = await self._take_snapshot(rec, "pause", stop=True)
+        except Exception as exc:
+            await self._after_failed_snapshot(rec, exc)
+            raise_failure(exc, f"pausing sandbox {rec.sandbox_id}")
+        rec.pause_snapshot = row.snapshot_id
+        await self._paused(rec, "disk", started)
+
+    async def _pause_filesystem(self, rec: SandboxRecord) -> None:
+        """Processes end, files stay: envd flushes the root, the runtime stops the sandbox and
+        keeps its disk; a resume boots it afresh over that disk (:meth:`_boot_kept_disk`). A
+        sandbox whose envd does not answer is not paused (E2B requires a responding guest)."""
+        assert rec.instance is not None
+        runtime = self._runtime(rec)
+        await self.envd.fsfreeze(rec.instance, rec.envd_access_token)  # Unavailable: still running
+        self._detach(rec.sandbox_id)
+        await self._enter(rec, S.PAUSING)
+        started = time.monotonic()
+        try:
+            rec.instance = await runtime.stop_keep_disk(rec.instance)
+        except Exception as exc:  # NotSupported (a microVM runtime) stopped nothing
+            await self._after_failed_snapshot(rec, exc)  # running again if it survived
+            if rec.state == S.RUNNING:
+                try:
+                    await self.envd.fsthaw(rec.instance, rec.envd_access_token)
+                except ForkyardError as thaw_exc:
+                    log.warning("thawing the root of %s failed: %s", rec.sandbox_id, thaw_exc)
+            raise_failure(exc, f"pausing sandbox {rec.sandbox_id} (filesystem only)")
+        await self._paused(rec, "filesystem", started)
+
+    async def _boot_kept_disk(self, rec: SandboxRecord) -> None:
+        """The resume of a filesystem-only pause: a fresh boot (new kernel, new boot id, no
+        processes) from the template the sandbox's disk stands on, then ``/init``."""
+        assert rec.instance is not None
+        rootfs = rec.instance.state.get("template_rootfs")  # what the kept disk stands on
+        image = (
+            TemplateImage(
+                template_id=rec.template_id,
+                rootfs=Path(str(rootfs)),
+                vcpus=rec.cpu_count,
+                memory_mb=rec.memory_mb,
+                disk_mb=rec.disk_mb,
+            )
+            if rootfs
+            else templates.load(rec.template_id, self.settings).image
+        )
+        rec.instance = await self._runtime(rec).boot_kept_disk(self._spec(rec, image), rec.instance)
+        rec.memory_base = None  # a new memory: no incremental snapshot may build on the old one
+        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token)
+
+    async def _freeze(self, rec: SandboxRecord) -> bool:
+        """Whether the sandbox is now frozen; False (checkpoint it instead) when the runtime cannot."""
+        assert rec.instance is not None
+        runtime = self._runtime(rec)
+        try:
+            await runtime.freeze(rec.instance)
+        except NotSupported:
+            return False
+        except ForkyardError as exc:
+            log.warning("freezing %s failed (%s); checkpointing it instead", rec.sandbox_id, exc)
+            try:
+                await runtime.thaw(rec.instance)
+            except ForkyardError as thaw_exc:  # the checkpoint that follows will say if it is stuck
+                log.warning("thawing %s after the failed freeze failed: %s", rec.sandbox_id, thaw_exc)
+            return False
+        return True
+
+    async def _paused(self, rec: SandboxRecord, tier: PauseTier, started: float) -> None:
+        rec.pause_tier = tier
+        rec.paused_at = utcnow()
+        await self._enter(rec, S.PAUSED)
+        if tier == "frozen":  # its processes live on, frozen: their death loses its memory
+            self._watch(rec)
+        self.telemetry.observe("pause", tier, time.monotonic() - started)
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            f"sandbox paused ({tier})",
+            tier=tier,
+            duration_ms=str(elapsed_ms(started)),
+        )
+
+    async def resume(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
+        async with self._operate(sandbox_id, "resume") as rec:
+            return await self._resume_locked(rec, timeout_seconds)
+
+    async def connect(self, sandbox_id: str, timeout_seconds: int) -> tuple[SandboxRecord, bool]:
+        """A running sandbox's timeout is only extended; a paused one is resumed. Returns the
+        record and whether it was resumed."""
+        async with self._operate(sandbox_id, "connect") as rec:
+            if rec.state == S.PAUSED:
+                return await self._resume_locked(rec, timeout_seconds), True
+            rec.end_at = max(rec.end_at, utcnow() + dt.timedelta(seconds=timeout_seconds))
+            await self.store.save(rec)
+            return rec, False
+
+    async def _resume_locked(self, rec: SandboxRecord, timeout_seconds: int) -> SandboxRecord:
+        """Thaw a frozen sandbox, restore one from its pause snapshot on disk, or boot one paused
+        filesystem-only afresh over its kept disk."""
+        tier = rec.pause_tier
+        row = None
+        if tier not in ("frozen", "filesystem"):
+            row = await self.catalog.get(rec.pause_snapshot or "")
+            if row is None:
+                raise Gone(f"the pause snapshot of sandbox {rec.sandbox_id} is missing")
+        await self._enter(rec, S.RESUMING)
+        started = time.monotonic()
+        try:
+            if tier == "filesystem":
+                await self._boot_kept_disk(rec)
+            elif row is None:
+                await self._thaw(rec)
+            else:
+                await self._restore_in_place(rec, row)
+        except Exception as exc:
+            await self._destroy(rec, reason=f"resume failed: {exc}")
+            raise_failure(exc, f"resuming sandbox {rec.sandbox_id}")
+        rec.pause_snapshot = None
+        rec.pause_tier = None
+        rec.paused_at = None
+        rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
+        await self._enter(rec, S.RUNNING)
+        self._attach(rec)
+        self.telemetry.observe("resume", str(tier), time.monotonic() - started)
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            f"sandbox resumed ({tier})",
+            tier=str(tier),
+            duration_ms=str(elapsed_ms(started)),
+        )
+        if row is not None:
+            await self.catalog.delete(row.snapshot_id)
+            self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+        return rec
+
+    async def _thaw(self, rec: SandboxRecord) -> None:
+        """Let a frozen sandbox run again; ``/init`` sets its clock (a microVM's stood still).
+        Processes killed while frozen die as they thaw (cgroup v1 holds the signal until then):
+        ``/init`` races the runtime's death watch, so such a resume answers "not found" at once
+        instead of waiting out envd's start-up deadline."""
+        assert rec.instance is not None
+        # Watched since the pause (or recovery): the wait holds the process already, which a
+        # wait started now could not, the process being gone by the time it looked.
+        death = self._exits.get(rec.sandbox_id)
+        await self._runtime(rec).thaw(rec.instance)
+        # No restore since its last /init and envd's watches ran until the freeze: nothing to revalidate.
+        init = asyncio.ensure_future(
+            self.envd.init(rec.instance, rec.envs, rec.envd_access_token, revalidate=False)
+        )
+        if death is not None:
+            await asyncio.wait({init, death}, return_when=asyncio.FIRST_COMPLETED)
+            watched = death.done() and not death.cancelled() and death.exception() is None
+            reason = death.result() if watched else None
+            if reason is not None and not init.done():
+                init.cancel()
+                await self.logs.event(rec.sandbox_id, "error", f"sandbox died while paused: {reason}")
+                raise NotFound(f"sandbox {rec.sandbox_id} died while paused ({reason})")
+        await init
+
+    # -- moving frozen sandboxes to disk -------------------------------------------------------
+
+    def _move_frozen_to_disk(self, frozen: list[SandboxRecord]) -> None:
+        """The policy of the frozen tier, run by the reaper: a sandbox frozen longer than
+        ``pause_disk_after_seconds`` goes to disk; while the node is short of memory, so does the
+        longest-frozen one (one at a time: each checkpoint frees its memory before the next)."""
+        now = utcnow()
+        idle = dt.timedelta(seconds=self.settings.pause_disk_after_seconds)
+        for rec in frozen:
+            if rec.paused_at is not None and now - rec.paused_at >= idle:
+                self._start_move(rec.sandbox_id, "frozen for longer than pause_disk_after_seconds")
+        available_mib = psutil.virtual_memory().available >> 20
+        if frozen and available_mib < self.settings.pause_min_available_mib and not self._moving:
+            oldest = min(frozen, key=lambda r: r.paused_at or now)
+            self._start_move(oldest.sandbox_id, f"node memory short ({available_mib} MiB available)")
+
+    def _start_move(self, sandbox_id: str, reason: str) -> None:
+        if sandbox_id in self._moving:
+            return
+        self._moving.add(sandbox_id)
+        task = self.background.spawn(self._move_to_disk(sandbox_id, reason), name=f"to-disk-{sandbox_id}")
+        task.add_done_callback(lambda _: self._moving.discard(sandbox_id))
+
+    async def _move_to_disk(self, sandbox_id: str, reason: str) -> None:
+        """Checkpoint a frozen sandbox and free its memory; it stays paused (on disk). The record
+        says ``moving`` meanwhile, so a crash half-way is recovered (:meth:`_recover_paused`)."""
+        try:
+            async with self._operate(sandbox_id, "move_to_disk") as rec:
+                if rec.pause_tier != "frozen":
+                    return
+                assert rec.instance is not None
+                started = time.monotonic()
+                rec.pause_tier = "moving"
+                await self.store.save(rec)
+                self._unwatch(sandbox_id)  # the checkpoint stops it on purpose
+                runtime = self._runtime(rec)
+                await runtime.thaw(rec.instance)  # a checkpoint needs a running sandbox
+                try:
+                    row = await self._take_snapshot(rec, "pause", stop=True)
+                except Exception as exc:
+                    await self._stay_frozen(rec, exc)
+                    return
+                rec.pause_snapshot = row.snapshot_id
+                rec.pause_tier = "disk"
+                await self.store.save(rec)
+                self.telemetry.observe("move_to_disk", "disk", time.monotonic() - started)
+                await self.logs.event(
+                    sandbox_id,
+                    "info",
+                    f"paused sandbox moved to disk: {reason}",
+                    tier="disk",
+                    duration_ms=str(elapsed_ms(started)),
+                )
+        except (NotFound, Conflict):
+            return  # resumed or killed meanwhile
+
+    async def _stay_frozen(self, rec: SandboxRecord, exc: BaseException) -> None:
+        """A checkpoint that failed: freeze the sandbox again if it survived, else it is lost."""
+        assert rec.instance is not None
+        log.warning("moving paused sandbox %s to disk failed: %s", rec.sandbox_id, exc)
+        if await self._is_alive(rec) and await self._freeze(rec):
+            rec.pause_tier = "frozen"
+            await self.store.save(rec)
+            self._watch(rec)
+            return
+        await self._destroy(
+            rec, reason=f"moving the paused sandbox to disk failed and it did not survive: {exc}"
+        )
+
+    async def _restore_in_place(
+        self, rec: SandboxRecord, row: SnapshotRow, *, rollback: bool = False
+    ) -> None:
+        """Bring ``rec`` back from ``row`` with its own id, address and network (resume, a fork's
+        parent, recovery's revive), or with its own id only (a rollback: its instance is gone).
+        A rollback's snapshot may be another sandbox's: its envd holds that one's token, which
+        ``/init`` then replaces with ``rec``'s."""
+        async with self.catalog.use(row) as ref:
+            rec.instance = await self._runtime(rec).restore(self._spec(rec, self._image_of(rec, row)), ref)
+        rec.memory_base = row.snapshot_id
+        current = SnapshotMeta.of(row).envd_access_token if rollback else None
+        await self.envd.init(rec.instance, rec.envs, rec.envd_access_token, current_token=current)
+
+    def _image_of(self, rec: SandboxRecord, row: SnapshotRow) -> TemplateImage:
+        """The template ``rec`` stands on: the built template, else as the snapshot recorded it
+        (sandboxes made from a user snapshot carry the snapshot's id as their template)."""
+        try:
+            image = templates.load(rec.template_id, self.settings).image
+        except templates.TemplateNotFound:
+            return SnapshotMeta.of(row).image(rec.template_id)
+        # The snapshot's disk lies on the root it recorded; a later build's root is another one.
+        recorded = SnapshotMeta.of(row).template_rootfs
+        return dataclasses.replace(image, rootfs=Path(recorded)) if recorded else image
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    async def _take_snapshot(
+        self, rec: SandboxRecord, kind: SnapshotKind, *, stop: bool, name: str | None = None
+    ) -> SnapshotRow:
+        """Snapshot ``rec`` (caller holds its lock), commit it and add its row."""
+        assert rec.instance is not None
+        meta = SnapshotMeta(
+            template_rootfs=rec.instance.state.get("template_rootfs"),
+            cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb,
+            disk_mb=rec.disk_mb,
+            envs=rec.envs,
+            metadata=rec.metadata,
+            envd_access_token=rec.envd_access_token,
+        )
+        row = await self.catalog.take(
+            self._runtime(rec),
+            rec.instance,
+            kind=kind,
+            stop=stop,
+            template_id=rec.template_id,
+            meta=meta,
+            name=name,
+            parent=await self.catalog.parent_for(rec.memory_base),
+        )
+        rec.memory_base = row.snapshot_id
+        await self.store.save(rec)
+        await self.logs.event(
+            rec.sandbox_id,
+            "info",
+            f"{kind} snapshot {row.snapshot_id} taken",
+            duration_ms=str(SnapshotMeta.of(row).duration_ms),
+        )
+        return row
+
+    async def _after_failed_snapshot(self, rec: SandboxRecord, exc: BaseException) -> None:
+        """Back to running if the sandbox survived, else destroy it (never leak it)."""
+        log.warning("snapshot of %s failed: %s", rec.sandbox_id, exc)
+        if await self._is_alive(rec):
+            await self._enter(rec, S.RUNNING)
+            self._attach(rec)
+            return
+        await self._destroy(rec, reason=f"snapshot failed and the sandbox did not survive: {exc}")
+
+    async def create_snapshot(self, sandbox_id: str, name: str | None) -> SnapshotRow:
+        async with self._operate(sandbox_id, "snapshot") as rec:
+            self._detach(sandbox_id)
+            try:
+                row = await self._take_snapshot(rec, "snapshot", stop=False, name=name)
+            except Exception as exc:
+                await self._after_failed_snapshot(rec, exc)
+                raise_failure(exc, f"snapshot of sandbox {sandbox_id}")
+            self._attach(rec)
+            self.telemetry.observe("snapshot", "running", SnapshotMeta.of(row).duration_ms / 1000)
+            return row
+
+    async def list_snapshots(self, source: str | None = None, name: str | None = None) -> list[SnapshotRow]:
+        rows = await self.catalog.rows("snapshot", source=source)
+        if name:
+            key = name.split("/")[-1].split(":")[0]
+            rows = [r for r in rows if key in (r.name, r.snapshot_id)]
+        return rows
+
+    async def delete_snapshot(self, name_or_id: str) -> None:
+        row = await self.catalog.find_user_snapshot(name_or_id)
+        if row is None:
+            raise NotFound(f"template '{name_or_id}' not found")
+        await self.standbys.forget(row.snapshot_id)
+        await self.catalog.delete(row.snapshot_id)
+        await self.catalog.collect_garbage(self.runtimes)
+
+    # -- rollback (our extension: POST /sandboxes/{id}/rollback) --------------------------------
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        """Put a running sandbox back to a user snapshot in place: its memory, processes and disk
+        become the snapshot's; its id, timeout, metadata, env vars and access tokens stay.
+
+        The running instance is killed and the snapshot restored under the same id (a restore
+        needs the id's container, cgroup and network names free), then envd is re-initialised.
+        Everything that can refuse is checked before the kill; a failure after it cannot bring
+        the old state back, so its undo destroys the sandbox (as a failed resume does)."""
+        started = time.monotonic()
+        async with self._operate(sandbox_id, "rollback") as rec:
+            row = await self._rollback_target(rec, snapshot_id)
+            assert rec.instance is not None
+            old = rec.instance
+            undo = Undo(f"rolling back sandbox {sandbox_id}")
+            self._detach(sandbox_id)
+            await self._enter(rec, S.RESUMING)
+            undo.push("sandbox", lambda: self._destroy(rec, reason=f"rollback to {row.snapshot_id} failed"))
+            try:
+                await self._runtime(rec).kill(old)
+                await self._restore_in_place(rec, row, rollback=True)
+                await self._enter(rec, S.RUNNING)
+                self._attach(rec)
+                undo.commit()
+            except BaseException as exc:
+                await undo.rollback()
+                raise_failure(exc, f"rollback of sandbox {sandbox_id}")
+        self.telemetry.observe("rollback", "", time.monotonic() - started)
+        await self.logs.event(
+            sandbox_id,
+            "info",
+            f"sandbox rolled back to snapshot {row.snapshot_id}",
+            snapshot=row.snapshot_id,
+            duration_ms=str(elapsed_ms(started)),
+        )
+        return rec
+
+    async def _rollback_target(self, rec: SandboxRecord, snapshot_id: str) -> SnapshotRow:
+        """The user snapshot ``rec`` may roll back to: one of the same runtime and template root
+        file system (the sandbox keeps its template), whose envd token ``/init`` can replace."""
+        row = await self.catalog.find_user_snapshot(snapshot_id)
+        if row is None:
+            raise NotFound(f"snapshot '{snapshot_id}' not found")
+        meta = SnapshotMeta.of(row)
+        assert rec.instance is not None
+        if row.runtime != rec.runtime:
+            raise Invalid(
+                f"snapshot {row.snapshot_id} is of the {row.runtime} runtime, "
+                f"sandbox {rec.sandbox_id} of {rec.runtime}"
+            )
+        if meta.template_rootfs != rec.instance.state.get("template_rootfs"):
+            raise Invalid(
+                f"snapshot {row.snapshot_id} was taken of a sandbox on another template than "
+                f"sandbox {rec.sandbox_id}'s ({rec.template_id})"
+            )
+        if meta.envd_access_token and not rec.envd_access_token:
+            raise Invalid(
+                f"snapshot {row.snapshot_id} is of a secured sandbox (envd access token); "
+                f"sandbox {rec.sandbox_id} is not secured"
+            )
+        return row
+
+    # -- fork ----------------------------------------------------------------------------------
+
+    async def fork(self, sandbox_id: str, count: int, timeout_seconds: int) -> list[ForkOutcome]:
+        """``count`` independent children with the parent's memory, processes and disk.
+
+        The parent is checkpointed once. Where the runtime can, it keeps running through the
+        checkpoint (paused only for it); else it is stopped and restored in place *alongside*
+        its children (one more restore of the same image). Each child's timeout starts when the
+        call returns, not when it was restored: a caller must be able to use it."""
+        if not 1 <= count <= MAX_FORK_COUNT:
+            raise Invalid(f"count must be between 1 and {MAX_FORK_COUNT}")
+        started = time.monotonic()
+        async with self._operate(sandbox_id, "fork") as rec:
+            assert rec.instance is not None
+            keeps_running = await self._runtime(rec).snapshot_keeps_running(rec.instance)
+            self._detach(sandbox_id)
+            try:
+                row = await self._take_snapshot(rec, "fork", stop=not keeps_running)
+            except Exception as exc:
+                await self._after_failed_snapshot(rec, exc)
+                raise_failure(exc, f"fork of sandbox {sandbox_id}")
+            gate = asyncio.Semaphore(FORK_PARALLELISM)
+            children = [
+                asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds)) for _ in range(count)
+            ]
+            if keeps_running:
+                self._attach(rec)
+            else:
+                await asyncio.shield(self._revive_parent(rec, row))
+        try:
+            outcomes = await asyncio.shield(asyncio.gather(*children))
+        finally:
+            # Children stand on the snapshot's disk layers (they hold them) and the runtime has
+            # read the memory image: the snapshot itself is not needed any more.
+            await self.catalog.delete(row.snapshot_id)
+            await self.catalog.collect_garbage(self.runtimes)
+        self.telemetry.observe("fork", str(count), time.monotonic() - started)
+        return [await self._restart_timeout(o, timeout_seconds) for o in outcomes]
+
+    async def _revive_parent(self, rec: SandboxRecord, row: SnapshotRow) -> None:
+        """A parent that cannot come back is destroyed; its children live on."""
+        try:
+            await self._restore_in_place(rec, row)
+        except Exception as exc:
+            # The children must still be awaited: a parent whose clean-up failed stays "killing"
+            # (logged) and the next start-up retries it.
+            with contextlib.suppress(Failed):
+                await self._destroy(rec, reason=f"restoring the parent after its fork failed: {exc}")
+            return
+        await self.store.save(rec)
+        self._attach(rec)
+
+    async def _fork_child(
+        self, row: SnapshotRow, parent: SandboxRecord, gate: asyncio.Semaphore, timeout_seconds: int
+    ) -> ForkOutcome:
+        """A fork child is made like its parent: same metadata, network and traffic policy."""
+        req = CreateRequest(
+            template_id=row.snapshot_id,
+            timeout_seconds=timeout_seconds,
+            metadata=dict(parent.metadata),
+            envs={},
+            secure=parent.envd_access_token is not None,
+            allow_internet_access=parent.allow_internet_access,
+            allow_public_traffic=parent.traffic_access_token is None,
+            network=dict(parent.network or {}),
+            egress=parent.egress,
+        )
+        async with gate:
+            try:
+                return ForkOutcome(await self._restore_new(row, req, origin="fork"), None)
+            except ForkyardError as exc:
+                return ForkOutcome(None, exc)
+
+    async def _restart_timeout(self, outcome: ForkOutcome, timeout_seconds: int) -> ForkOutcome:
+        if outcome.record is None:
+            return outcome
+        try:
+            return dataclasses.replace(
+                outcome, record=await self.set_timeout(outcome.record.sandbox_id, timeout_seconds)
+            )
+        except (NotFound, Conflict):  # killed or paused by someone else meanwhile: theirs to say
+            return outcome
+
+
+def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
+    """The composition root: the lifecycle owner and its collaborators for one node."""
+    runtimes = RuntimeSet(settings, runtime)
+    store = SandboxStore.from_settings(settings)
+    background = Background()
+    catalog = SnapshotCatalog(
+        settings.data_dir,
+        durable=DurableSnapshots(
+            settings.data_dir,
+            settings.s3,
+            templates_dir=settings.templates_dir,
+            objects=SnapshotObjects.from_settings(settings.s3),
+            background=background,
+        ),
+        runtimes=runtimes,
+        templates_dir=settings.templates_dir,
+    )
+    envd = EnvdClient()
+    return Orchestrator(
+        settings,
+        runtimes=runtimes,
+        store=store,
+        catalog=catalog,
+        template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background, envd),
+        standbys=Standbys(settings, catalog, runtimes, envd),
+        background=background,
+        envd=envd,
+        logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
+        telemetry=Telemetry(settings.data_dir),
+    )

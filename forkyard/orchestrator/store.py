@@ -1,0 +1,381 @@
+"""The sandbox registry: SQLAlchemy Core over the node's SQLite file (``settings.db_path``) or a
+cluster's shared PostgreSQL (``settings.database_url``); tables in :mod:`forkyard.storage.db.schema`.
+
+- ``sandboxes``: one row per sandbox ever created (killed ones stay, so their logs and ids remain
+  answerable); ``instance`` holds the runtime's JSON state for re-attach/cleanup; ``node_id`` the
+  node that owns it. A node reads only its own rows (recovery, expiry, listing, ``get``); the
+  gateway lists across nodes (:meth:`SandboxStore.query_all`, :meth:`SandboxStore.get_any`).
+- ``sandbox_logs``: structured log lines per sandbox (orchestrator events, envd/runtime output).
+
+The snapshot catalog keeps its tables in the same database (:attr:`SandboxStore.db`). Opening
+the store migrates the schema to the newest revision (``forkyard/storage/db/migrations``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import socket
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Executable,
+    RowMapping,
+    Select,
+    bindparam,
+    insert,
+    select,
+    true,
+    tuple_,
+    update,
+)
+
+from forkyard.config import Settings
+from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.db.schema import sandbox_logs, sandboxes
+from forkyard.types import EgressPolicy, SandboxInstance, SandboxState
+
+#: States in which a record still owns host resources (recovery re-attaches or cleans them).
+LIVE_STATES = (
+    SandboxState.CREATING,
+    SandboxState.RUNNING,
+    SandboxState.PAUSING,
+    SandboxState.RESUMING,
+    SandboxState.KILLING,
+)
+#: States the API lists.
+LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+
+#: How a sandbox came to be: booted from its template, restored from the template's snapshot,
+#: claimed from the warm pool, restored from a user snapshot or claimed from its standbys, or
+#: restored as a fork child.
+Origin = Literal["boot", "template", "warm_pool", "snapshot", "standby", "fork"]
+
+#: Where a paused sandbox is: ``frozen`` in place (memory kept, resumes in milliseconds),
+#: ``moving`` to disk (its checkpoint under way), or on ``disk`` (checkpointed, memory freed);
+#: ``filesystem``: E2B's ``memory: false`` pause (processes ended, only the disk kept; a resume
+#: boots afresh over it).
+PauseTier = Literal["frozen", "moving", "disk", "filesystem"]
+
+
+def _ts(value: dt.datetime) -> float:
+    return value.timestamp()
+
+
+def _dt(value: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(value, dt.UTC)
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    template_id: str
+    client_id: str
+    state: SandboxState
+    started_at: dt.datetime
+    end_at: dt.datetime
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    runtime: str
+    envd_version: str
+    alias: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    envs: dict[str, str] = field(default_factory=dict)
+    instance: SandboxInstance | None = None
+    envd_access_token: str | None = None
+    traffic_access_token: str | None = None
+    allow_internet_access: bool | None = None
+    auto_pause: bool = False
+    #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
+    auto_pause_memory: bool = True
+    auto_resume: bool = False
+    network: dict[str, Any] = field(default_factory=dict)
+    origin: Origin = "boot"
+    #: The snapshot this sandbox was restored from (user snapshot, template snapshot, fork).
+    restored_from: str | None = None
+    #: While paused on disk: the snapshot its resume restores.
+    pause_snapshot: str | None = None
+    #: While paused: which tier (the API shows both as ``paused``), and since when.
+    pause_tier: PauseTier | None = None
+    paused_at: dt.datetime | None = None
+    #: The snapshot the sandbox's memory was last written to or restored from: the parent a
+    #: runtime with incremental memory snapshots (Firecracker ``Diff``) takes the next one against.
+    memory_base: str | None = None
+    #: Bytes of each runtime log file already moved into the sandbox's logs.
+    log_offsets: dict[str, int] = field(default_factory=dict)
+    #: Outbound rules beyond the defaults (``network.allowOut``/``denyOut``, as enforced; None:
+    #: the defaults). Kept here so that every restore (resume from disk, a restart) re-applies them.
+    egress: EgressPolicy | None = None
+    seq: int = 0
+
+
+def _to_row(rec: SandboxRecord) -> dict[str, Any]:
+    """Every column but ``seq`` and ``node_id`` (the store's own)."""
+    return {
+        "sandbox_id": rec.sandbox_id,
+        "template_id": rec.template_id,
+        "alias": rec.alias,
+        "client_id": rec.client_id,
+        "metadata": json.dumps(rec.metadata),
+        "envs": json.dumps(rec.envs),
+        "state": str(rec.state),
+        "started_at": _ts(rec.started_at),
+        "end_at": _ts(rec.end_at),
+        "cpu_count": rec.cpu_count,
+        "memory_mb": rec.memory_mb,
+        "disk_mb": rec.disk_mb,
+        "runtime": rec.runtime,
+        "instance": json.dumps(asdict(rec.instance)) if rec.instance else None,
+        "envd_version": rec.envd_version,
+        "envd_access_token": rec.envd_access_token,
+        "traffic_access_token": rec.traffic_access_token,
+        "allow_internet_access": None
+        if rec.allow_internet_access is None
+        else int(rec.allow_internet_access),
+        "auto_pause": int(rec.auto_pause),
+        "auto_resume": int(rec.auto_resume),
+        "network": json.dumps(rec.network),
+        "origin": rec.origin,
+        "restored_from": rec.restored_from,
+        "pause_snapshot": rec.pause_snapshot,
+        "pause_tier": rec.pause_tier,
+        "paused_at": _ts(rec.paused_at) if rec.paused_at else None,
+        "memory_base": rec.memory_base,
+        "log_offsets": json.dumps(rec.log_offsets),
+        "egress": json.dumps(asdict(rec.egress)) if rec.egress else None,
+        "auto_pause_memory": int(rec.auto_pause_memory),
+    }
+
+
+def _from_row(row: RowMapping) -> SandboxRecord:
+    instance = json.loads(row["instance"]) if row["instance"] else None
+    aia = row["allow_internet_access"]
+    return SandboxRecord(
+        seq=row["seq"],
+        sandbox_id=row["sandbox_id"],
+        template_id=row["template_id"],
+        alias=row["alias"],
+        client_id=row["client_id"],
+        metadata=json.loads(row["metadata"]),
+        envs=json.loads(row["envs"]),
+        state=SandboxState(row["state"]),
+        started_at=_dt(row["started_at"]),
+        end_at=_dt(row["end_at"]),
+        cpu_count=row["cpu_count"],
+        memory_mb=row["memory_mb"],
+        disk_mb=row["disk_mb"],
+        runtime=row["runtime"],
+        instance=SandboxInstance(**instance) if instance else None,
+        envd_version=row["envd_version"],
+        envd_access_token=row["envd_access_token"],
+        traffic_access_token=row["traffic_access_token"],
+        allow_internet_access=None if aia is None else bool(aia),
+        auto_pause=bool(row["auto_pause"]),
+        auto_resume=bool(row["auto_resume"]),
+        network=json.loads(row["network"]),
+        origin=cast(Origin, row["origin"]),
+        restored_from=row["restored_from"],
+        pause_snapshot=row["pause_snapshot"],
+        pause_tier=cast("PauseTier | None", row["pause_tier"]),
+        paused_at=_dt(row["paused_at"]) if row["paused_at"] is not None else None,
+        memory_base=row["memory_base"],
+        log_offsets=json.loads(row["log_offsets"]),
+        egress=_egress(row["egress"]),
+        auto_pause_memory=bool(row["auto_pause_memory"]),
+    )
+
+
+def _egress(raw: str | None) -> EgressPolicy | None:
+    if not raw:
+        return None
+    data = json.loads(raw)
+    return EgressPolicy(
+        allow_out=tuple(data.get("allow_out", ())),
+        deny_out=tuple(data.get("deny_out", ())),
+        allow_domains=tuple(data.get("allow_domains", ())),
+        resolvers=tuple(data.get("resolvers", ())),
+    )
+
+
+@dataclass(frozen=True)
+class LogLine:
+    timestamp: dt.datetime
+    level: str
+    message: str
+    fields: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    states: tuple[SandboxState, ...] = LISTED_STATES
+    metadata: dict[str, str] = field(default_factory=dict)
+    template: str | None = None
+    started_after: dt.datetime | None = None
+    ascending: bool = False
+    #: Resume after this ``(started_at, seq)`` position (the decoded ``nextToken``).
+    after: tuple[float, int] | None = None
+    limit: int | None = None
+
+
+# The hot path's statements, built once: values travel as execute() parameters, so a write
+# compiles nothing (SQLAlchemy's cache) and builds no expression per value.
+_INSERT = insert(sandboxes)
+#: ``UPDATE sandboxes SET <the parameters' columns> WHERE sandbox_id = :_sandbox_id``
+_SAVE = update(sandboxes).where(sandboxes.c.sandbox_id == bindparam("_sandbox_id"))
+_ADD_LOG = insert(sandbox_logs)
+
+
+class SandboxStore:
+    """Async access to the registry's sandboxes and their logs, as one node (``node_id``).
+
+    Every write is one transaction (:meth:`Registry.write`; on SQLite all of them run on the
+    registry's one thread, in order, as the single aiosqlite connection used to)."""
+
+    def __init__(self, path: Path, *, database_url: str = "", node_id: str = "") -> None:
+        self._url = database_url or f"sqlite+aiosqlite:///{path}"
+        self._shared = bool(database_url)
+        self.node_id = node_id or socket.gethostname()
+        self._registry: Registry | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SandboxStore:
+        return cls(settings.db_path, database_url=settings.database_url, node_id=settings.node_name)
+
+    async def open(self) -> None:
+        self._registry = await open_registry_at(self._url, self.node_id, shared=self._shared)
+
+    async def close(self) -> None:
+        if self._registry is not None:
+            await self._registry.close()
+            self._registry = None
+
+    @property
+    def db(self) -> Registry:
+        """The open registry (the snapshot catalog shares it)."""
+        if self._registry is None:
+            raise RuntimeError("sandbox store is not open")
+        return self._registry
+
+    async def _rows(self, stmt: Select[Any]) -> list[RowMapping]:
+        return await self.db.read(lambda conn: list(conn.execute(stmt).mappings()))
+
+    async def _write(
+        self, stmt: Executable, params: dict[str, Any] | list[dict[str, Any]]
+    ) -> CursorResult[Any]:
+        return await self.db.write(lambda conn: conn.execute(stmt, params))
+
+    def _mine(self) -> ColumnElement[bool]:
+        return sandboxes.c.node_id == self.node_id
+
+    async def insert(self, rec: SandboxRecord) -> None:
+        result = await self._write(_INSERT, {**_to_row(rec), "node_id": self.node_id})
+        key = result.inserted_primary_key
+        rec.seq = int(key[0]) if key else 0
+
+    async def save(self, rec: SandboxRecord) -> None:
+        """Write every field of ``rec`` back (the orchestrator holds the sandbox's lock)."""
+        row = _to_row(rec)
+        row["_sandbox_id"] = row.pop("sandbox_id")
+        await self._write(_SAVE, row)
+
+    async def get(self, sandbox_id: str) -> SandboxRecord | None:
+        """This node's sandbox ``sandbox_id`` (None: unknown, or another node's)."""
+        rows = await self._rows(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id, self._mine()))
+        return _from_row(rows[0]) if rows else None
+
+    async def get_any(self, sandbox_id: str) -> SandboxRecord | None:
+        """The sandbox whichever node owns it (the gateway's look-up), with its owner."""
+        rows = await self._rows(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id))
+        return _from_row(rows[0]) if rows else None
+
+    async def owner(self, sandbox_id: str) -> str | None:
+        """The node that owns ``sandbox_id`` (None: no such sandbox)."""
+        stmt = select(sandboxes.c.node_id).where(sandboxes.c.sandbox_id == sandbox_id)
+        found = await self.db.read(lambda conn: conn.scalar(stmt))
+        return None if found is None else str(found)
+
+    async def in_states(self, states: Iterable[SandboxState]) -> list[SandboxRecord]:
+        wanted = [str(s) for s in states]
+        stmt = select(sandboxes).where(sandboxes.c.state.in_(wanted), self._mine()).order_by(sandboxes.c.seq)
+        return [_from_row(r) for r in await self._rows(stmt)]
+
+    async def expired(self, now: dt.datetime) -> list[str]:
+        stmt = select(sandboxes.c.sandbox_id).where(
+            sandboxes.c.state == str(SandboxState.RUNNING), sandboxes.c.end_at <= _ts(now), self._mine()
+        )
+        return [r["sandbox_id"] for r in await self._rows(stmt)]
+
+    async def query(self, query: ListQuery) -> list[SandboxRecord]:
+        """This node's sandboxes matching ``query`` ordered by start time (then creation order),
+        filtered by metadata in Python (it is a JSON column), paged by the ``after`` cursor."""
+        return await self._query(query, self._mine())
+
+    async def query_all(self, query: ListQuery) -> list[SandboxRecord]:
+        """:meth:`query` across every node (the gateway's ``GET /sandboxes``)."""
+        return await self._query(query, true())
+
+    async def _query(self, query: ListQuery, scope: ColumnElement[bool]) -> list[SandboxRecord]:
+        c = sandboxes.c
+        stmt = select(sandboxes).where(scope, c.state.in_([str(s) for s in query.states]))
+        if query.template:
+            stmt = stmt.where((c.template_id == query.template) | (c.alias == query.template))
+        if query.started_after:
+            stmt = stmt.where(c.started_at >= _ts(query.started_after))
+        if query.after:
+            position, after = tuple_(c.started_at, c.seq), tuple_(*query.after)
+            stmt = stmt.where(position > after if query.ascending else position < after)
+        order = (c.started_at.asc(), c.seq.asc()) if query.ascending else (c.started_at.desc(), c.seq.desc())
+        stmt = stmt.order_by(*order)
+        if query.limit is not None and not query.metadata:
+            stmt = stmt.limit(query.limit + 1)  # one extra row tells the caller there is a next page
+        out: list[SandboxRecord] = []
+        for row in await self._rows(stmt):
+            rec = _from_row(row)
+            if all(rec.metadata.get(k) == v for k, v in query.metadata.items()):
+                out.append(rec)
+                if query.limit is not None and len(out) > query.limit:
+                    break
+        return out
+
+    async def add_log(self, sandbox_id: str, level: str, message: str, **fields: str) -> None:
+        await self.add_logs(sandbox_id, [(level, message, fields)])
+
+    async def add_logs(self, sandbox_id: str, lines: list[tuple[str, str, dict[str, str]]]) -> None:
+        """Store several ``(level, message, fields)`` lines at once."""
+        if not lines:
+            return
+        now = dt.datetime.now(dt.UTC).timestamp()
+        rows = [
+            {
+                "sandbox_id": sandbox_id,
+                "ts": now,
+                "level": level,
+                "message": msg,
+                "fields": json.dumps(fields),
+            }
+            for level, msg, fields in lines
+        ]
+        await self._write(_ADD_LOG, rows)
+
+    async def set_log_offsets(self, sandbox_id: str, offsets: dict[str, int]) -> None:
+        """Record how far the runtime log files were collected, without rewriting the record."""
+        await self._write(_SAVE, {"_sandbox_id": sandbox_id, "log_offsets": json.dumps(offsets)})
+
+    async def logs(
+        self, sandbox_id: str, *, start: dt.datetime | None, limit: int, ascending: bool = True
+    ) -> list[LogLine]:
+        c = sandbox_logs.c
+        stmt = select(c.ts, c.level, c.message, c.fields).where(c.sandbox_id == sandbox_id)
+        if start is not None:
+            stmt = stmt.where(c.ts >= _ts(start) if ascending else c.ts <= _ts(start))
+        stmt = stmt.order_by(c.id.asc() if ascending else c.id.desc()).limit(limit)
+        return [
+            LogLine(_dt(r["ts"]), r["level"], r["message"], json.loads(r["fields"]))
+            for r in await self._rows(stmt)
+        ]
