@@ -113,12 +113,15 @@ def start_server(
     extra_env: Mapping[str, str] | None = None,
     defaults: Mapping[str, str] = TEST_DEFAULTS,
     ready_timeout: float = READY_TIMEOUT,
+    python: Path | None = None,
 ) -> ServerProcess:
     """Start ``forkyard serve`` on ``data_dir`` and wait until ``/health`` answers.
 
     ``runtime`` sets ``FORKYARD_RUNTIME`` (else it is inherited, default auto); ``extra_env`` wins
-    over ``defaults``. Raises RuntimeError with the log's tail when the server exits or does not
-    get ready in ``ready_timeout`` s (after killing what it started).
+    over ``defaults``. ``python`` runs the server of another environment (an installed wheel; then
+    from the data dir, so that this checkout is not on its path). Raises RuntimeError with the
+    log's tail when the server exits or does not get ready in ``ready_timeout`` s (after killing
+    what it started).
     """
     port = port or free_port()
     api_key = api_key or "e2b_test_" + secrets.token_hex(8)
@@ -135,9 +138,9 @@ def start_server(
     log_path = data_dir / f"server-{port}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "forkyard.cli.main", "serve", "--port", str(port)],
+            [str(python or sys.executable), "-m", "forkyard.cli.main", "serve", "--port", str(port)],
             env=env,
-            cwd=REPO,
+            cwd=data_dir if python else REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
