@@ -90,8 +90,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
 
     app.include_router(routes_sandboxes.router)
     app.include_router(routes_network.router)
-    # Before the lifecycle's routes: its DELETE /templates/{id} (snapshots) would take
-    # DELETE /templates/tags; the templates router's delete hands snapshots to it.
+    # DELETE /templates/{id} (a template or a user snapshot: one namespace in E2B) is the
+    # templates router's only.
     app.include_router(routes_templates.router)
     app.include_router(routes_lifecycle.router)
     install_console(app)  # /console and /node: our extensions (forkyard/api/console)

@@ -63,6 +63,7 @@ from forkyard.orchestrator.store import (
     SandboxStore,
 )
 from forkyard.orchestrator.telemetry import Telemetry
+from forkyard.orchestrator.template_owner import TemplateOwner
 from forkyard.orchestrator.template_snapshots import TemplateSnapshot, TemplateSnapshots
 from forkyard.orchestrator.timing import elapsed_ms, utcnow
 from forkyard.orchestrator.undo import Undo
@@ -256,6 +257,7 @@ class Orchestrator:
         envd: EnvdClient,
         logs: SandboxLogs,
         telemetry: Telemetry,
+        template_owner: TemplateOwner,
     ) -> None:
         self.settings = settings
         self.runtimes = runtimes
@@ -267,6 +269,8 @@ class Orchestrator:
         self.envd = envd
         self.logs = logs
         self.telemetry = telemetry
+        #: Template builds and deletes (of templates and of user snapshots: one namespace in E2B).
+        self.template_owner = template_owner
         self._locks: dict[str, asyncio.Lock] = {}
         self._routes: dict[str, Route] = {}
         #: Per running sandbox, the task waiting for its processes to die (:meth:`_watch`).
@@ -1294,12 +1298,7 @@ class Orchestrator:
         return rows
 
     async def delete_snapshot(self, name_or_id: str) -> None:
-        row = await self.catalog.find_user_snapshot(name_or_id)
-        if row is None:
-            raise NotFound(f"template '{name_or_id}' not found")
-        await self.standbys.forget(row.snapshot_id)
-        await self.catalog.delete(row.snapshot_id)
-        await self.catalog.collect_garbage(self.runtimes)
+        await self.template_owner.delete_snapshot(name_or_id)
 
     # -- rollback (our extension: POST /sandboxes/{id}/rollback) --------------------------------
 
@@ -1466,15 +1465,25 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
         templates_dir=settings.templates_dir,
     )
     envd = EnvdClient()
+    template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd)
+    standbys = Standbys(settings, catalog, runtimes, envd)
     return Orchestrator(
         settings,
         runtimes=runtimes,
         store=store,
         catalog=catalog,
-        template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background, envd),
-        standbys=Standbys(settings, catalog, runtimes, envd),
+        template_snapshots=template_snapshots,
+        standbys=standbys,
         background=background,
         envd=envd,
         logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
         telemetry=Telemetry(settings.data_dir),
+        template_owner=TemplateOwner(
+            settings,
+            catalog=catalog,
+            runtimes=runtimes,
+            template_snapshots=template_snapshots,
+            standbys=standbys,
+            background=background,
+        ),
     )
