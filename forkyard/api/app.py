@@ -11,6 +11,7 @@ from fastapi import FastAPI, Response
 
 from forkyard.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
 from forkyard.api.console import install as install_console
+from forkyard.api.e2b_wire import sandbox_domain
 from forkyard.api.errors import install_error_handlers
 from forkyard.api.limits import BodyLimit
 from forkyard.api.proxy import SandboxProxy
@@ -58,14 +59,6 @@ class Hub:
             await self._orchestrator.close()
 
 
-def public_domain(settings: Settings) -> str:
-    """The ``domain`` returned to SDKs, so ``sandbox.get_host(port)`` gives a reachable
-    ``{port}-{id}.{domain}`` (with the API port when serving on localhost)."""
-    if settings.domain == "localhost" and settings.port not in (80, 443):
-        return f"localhost:{settings.port}"
-    return settings.domain
-
-
 def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     hub = Hub(settings, runtime)
 
@@ -81,7 +74,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.state.hub = hub
     app.state.settings = settings
     app.state.api_keys = settings.effective_api_keys()
-    app.state.public_domain = public_domain(settings)
+    app.state.sandbox_domain = sandbox_domain(settings)
     install_error_handlers(app)
 
     @app.get("/health", include_in_schema=False)

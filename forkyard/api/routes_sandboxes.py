@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
-import urllib.parse
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_api_key
+from forkyard.api.e2b_wire import (
+    LIST_LIMIT_MAX,
+    decode_cursor,
+    encode_cursor,
+    listed_body,
+    listed_fields,
+    parse_metadata_query,
+    parse_states,
+)
 from forkyard.api.routes_network import create_network
 from forkyard.api.schemas import (
     MAX_TIMEOUT_SECONDS,
     ConnectSandbox,
-    ListedSandbox,
     NetworkInfo,
     NewSandbox,
     Sandbox,
@@ -31,12 +36,10 @@ from forkyard.api.schemas import (
 from forkyard.errors import Invalid
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.lifecycle import CreateRequest, MetricSample, Orchestrator
-from forkyard.orchestrator.store import LISTED_STATES, ListQuery, LogLine, SandboxRecord
+from forkyard.orchestrator.store import ListQuery, LogLine, SandboxRecord
 from forkyard.types import SandboxState
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-
-LIST_LIMIT_MAX = 100
 
 
 def orchestrator(request: Request) -> Orchestrator:
@@ -47,8 +50,9 @@ def orchestrator(request: Request) -> Orchestrator:
 Orch = Annotated[Orchestrator, Depends(orchestrator)]
 
 
-def public_domain(request: Request) -> str:
-    domain: str = request.app.state.public_domain
+def domain_of(request: Request) -> str:
+    """The ``domain`` for this request's answers: the listener's (HTTP or HTTPS) that took it."""
+    domain: str = request.app.state.sandbox_domain
     return domain
 
 
@@ -68,32 +72,11 @@ def sandbox_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
     ).to_json()
 
 
-def _listed_fields(rec: SandboxRecord) -> dict[str, object]:
-    return {
-        "template_id": rec.template_id,
-        "alias": rec.alias,
-        "sandbox_id": rec.sandbox_id,
-        "client_id": rec.client_id,
-        "started_at": rec.started_at,
-        "end_at": rec.end_at,
-        "cpu_count": rec.cpu_count,
-        "memory_mb": rec.memory_mb,
-        "disk_size_mb": rec.disk_mb,
-        "metadata": rec.metadata,
-        "state": "paused" if rec.state == SandboxState.PAUSED else "running",
-        "envd_version": rec.envd_version,
-    }
-
-
-def listed_body(rec: SandboxRecord) -> dict[str, object]:
-    return ListedSandbox.model_validate(_listed_fields(rec)).to_json()
-
-
 def detail_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
     net = rec.network or {}
     detail = SandboxDetail.model_validate(
         {
-            **_listed_fields(rec),
+            **listed_fields(rec),
             "envd_access_token": rec.envd_access_token,
             "allow_internet_access": rec.allow_internet_access,
             "domain": domain,
@@ -172,7 +155,7 @@ async def _create(
 ) -> JSONResponse:
     req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
     rec = await orch.create(req, idempotency_key=idempotency_key)
-    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
+    return JSONResponse(sandbox_body(rec, domain_of(request)), status_code=201)
 
 
 @router.post("/sandboxes", status_code=201)
@@ -197,41 +180,6 @@ async def create_sandbox_v2(
 
 
 # -- list --------------------------------------------------------------------------------------
-
-
-def parse_metadata_query(raw: str | None) -> dict[str, str]:
-    """The SDKs send ``metadata=urlencode({quote(k): quote(v)})``: decode both layers."""
-    if not raw:
-        return {}
-    try:
-        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
-    except ValueError:
-        raise Invalid(f"invalid metadata query {raw!r}: expected key=value pairs joined by '&'") from None
-    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
-
-
-def parse_states(raw: list[str] | None) -> tuple[SandboxState, ...]:
-    if not raw:
-        return LISTED_STATES
-    names = tuple(s.strip() for item in raw for s in item.split(",") if s.strip())
-    bad = [s for s in names if s not in LISTED_STATES]
-    if bad:
-        raise Invalid(f"invalid state {bad[0]!r}: expected one of {', '.join(LISTED_STATES)}")
-    return tuple(SandboxState(s) for s in names) or LISTED_STATES
-
-
-def encode_cursor(rec: SandboxRecord) -> str:
-    raw = f"{rec.started_at.timestamp():.6f}:{rec.seq}".encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_cursor(token: str) -> tuple[float, int]:
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        ts, seq = raw.split(":")
-        return float(ts), int(seq)
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise Invalid("invalid nextToken") from None
 
 
 @router.get("/v2/sandboxes")
@@ -319,7 +267,7 @@ async def sandboxes_metrics(
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(request: Request, sandbox_id: str, orch: Orch) -> JSONResponse:
     rec = await orch.get(normalise_sandbox_id(sandbox_id))
-    return JSONResponse(detail_body(rec, public_domain(request)))
+    return JSONResponse(detail_body(rec, domain_of(request)))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
@@ -348,7 +296,7 @@ async def _connect(
         body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds
     )
     rec, resumed = await orch.connect(normalise_sandbox_id(sandbox_id), timeout)
-    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201 if resumed else 200)
+    return JSONResponse(sandbox_body(rec, domain_of(request)), status_code=201 if resumed else 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")

@@ -70,7 +70,7 @@ def run(host: str | None = None, port: int | None = None, role: str = "single") 
     tls_files = tls.ensure_tls(settings) if tls_socket else None
     if tls_socket is not None:
         # What the API answers as ``domain``: ``sandbox.get_host(port)`` names the HTTPS listener.
-        app.state.public_domain = tls.public_domain(settings)
+        app.state.sandbox_domain = tls.https_sandbox_domain(settings)
     # Printed on stdout (logs go to stderr) so a script can capture exactly these lines.
     print(f"forkyard listening on http://{settings.host}:{settings.port}", flush=True)
     if settings.role == "node":
@@ -86,7 +86,7 @@ def run(host: str | None = None, port: int | None = None, role: str = "single") 
 
 
 def sandbox_url_help(settings: Settings, files: tls.TlsFiles) -> str:
-    domain = tls.public_domain(settings)
+    domain = tls.https_sandbox_domain(settings)
     return "\n".join(
         [
             f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host); trust the CA with:",

@@ -68,7 +68,7 @@ from forkyard.orchestrator.template_snapshots import TemplateSnapshot, TemplateS
 from forkyard.orchestrator.timing import elapsed_ms, utcnow
 from forkyard.orchestrator.undo import Undo
 from forkyard.runtime import egress_proxy, network
-from forkyard.runtime.base import Runtime
+from forkyard.runtime.base import Capability, Runtime
 from forkyard.storage.objectstore import SnapshotObjects
 from forkyard.storage.snapshots import SnapshotKind, SnapshotRow
 from forkyard.types import (
@@ -994,13 +994,18 @@ class Orchestrator:
         sandbox whose envd does not answer is not paused (E2B requires a responding guest)."""
         assert rec.instance is not None
         runtime = self._runtime(rec)
+        if Capability.FILESYSTEM_PAUSE not in runtime.capabilities:  # the microVM runtimes: 501
+            raise NotSupported(
+                f"pausing sandbox {rec.sandbox_id} (filesystem only) failed: "
+                f"the {runtime.name} runtime has no filesystem-only pause"
+            )
         await self.envd.fsfreeze(rec.instance, rec.envd_access_token)  # Unavailable: still running
         self._detach(rec.sandbox_id)
         await self._enter(rec, S.PAUSING)
         started = time.monotonic()
         try:
             rec.instance = await runtime.stop_keep_disk(rec.instance)
-        except Exception as exc:  # NotSupported (a microVM runtime) stopped nothing
+        except Exception as exc:
             await self._after_failed_snapshot(rec, exc)  # running again if it survived
             if rec.state == S.RUNNING:
                 try:
@@ -1034,10 +1039,10 @@ class Orchestrator:
         """Whether the sandbox is now frozen; False (checkpoint it instead) when the runtime cannot."""
         assert rec.instance is not None
         runtime = self._runtime(rec)
+        if Capability.FREEZE not in runtime.capabilities:
+            return False
         try:
             await runtime.freeze(rec.instance)
-        except NotSupported:
-            return False
         except ForkyardError as exc:
             log.warning("freezing %s failed (%s); checkpointing it instead", rec.sandbox_id, exc)
             try:

@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket
 
 from forkyard.config import Settings
 from forkyard.errors import Failed, NotSupported
-from forkyard.runtime.base import Runtime
+from forkyard.runtime.base import Capability, Runtime
 from forkyard.types import ENVD_PORT, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 
 
@@ -151,6 +151,7 @@ class LoopbackRuntime(Runtime):
         self.fail_create = fail_create
         self.snapshots_supported = snapshots
         self.freezes = freezes
+        self.capabilities = frozenset({Capability.FREEZE}) if freezes else frozenset()
         #: Sandboxes frozen now (a frozen upstream stops answering, like a frozen sandbox).
         self.frozen: set[str] = set()
         #: (sandbox id, where, stop) of every snapshot, and (sandbox id, source) of every restore.
@@ -160,6 +161,9 @@ class LoopbackRuntime(Runtime):
 
     def probe(self) -> str | None:
         return None
+
+    def platform(self) -> str:
+        return "loopback"
 
     def _address(self) -> str:
         self._next += 1

@@ -28,9 +28,6 @@ from forkyard.api.auth import require_api_key
 from forkyard.orchestrator.lifecycle import Orchestrator
 from forkyard.orchestrator.store import LIVE_STATES
 from forkyard.runtime.base import Runtime
-from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
-from forkyard.runtime.gvisor.runtime import GvisorRuntime
-from forkyard.runtime.qemu.runtime import QemuRuntime
 from forkyard.types import SandboxState
 
 log = logging.getLogger(__name__)
@@ -38,17 +35,6 @@ log = logging.getLogger(__name__)
 SAMPLE_SECONDS = 5.0
 HISTORY_SAMPLES = 720  # an hour at SAMPLE_SECONDS
 LIFECYCLE_METRIC = "forkyard_lifecycle_seconds"
-
-
-def runtime_platform(runtime: Runtime) -> str:
-    """How the runtime isolates: runsc's platform, QEMU's accelerator, Firecracker's KVM or PVM."""
-    if isinstance(runtime, GvisorRuntime):
-        return runtime.runsc.platform()
-    if isinstance(runtime, QemuRuntime):
-        return str(runtime.accel)
-    if isinstance(runtime, FirecrackerRuntime):
-        return "pvm" if runtime.settings.firecracker.pvm else "kvm"
-    return "unknown"
 
 
 @dataclass
@@ -111,7 +97,7 @@ async def node_status(app: FastAPI) -> dict[str, Any]:
     disk = shutil.disk_usage(orch.settings.data_dir)
     return {
         "runtime": runtime.name,
-        "platform": runtime_platform(runtime),
+        "platform": runtime.platform(),
         "capacity": {
             "cpuCount": os.cpu_count() or 1,
             "loadAverage1m": round(os.getloadavg()[0], 2),
