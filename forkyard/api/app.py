@@ -44,7 +44,7 @@ class Hub:
         self._orchestrator = build_orchestrator(self.settings, self.runtime)
         # Dependencies point down: the API asks to hear when a sandbox leaves running, and its
         # proxy then ends the streams it has open to it.
-        self._orchestrator.add_detach_listener(self._sandbox_left)
+        self._orchestrator.route_table.subscribe(self._sandbox_left)
         await self._orchestrator.start()
         return self._orchestrator
 

@@ -51,7 +51,8 @@ from forkyard.api.relay import (
 )
 from forkyard.config import Settings
 from forkyard.orchestrator.ids import SANDBOX_ID_LOOSE_RE
-from forkyard.orchestrator.lifecycle import Orchestrator, Route
+from forkyard.orchestrator.lifecycle import Orchestrator
+from forkyard.orchestrator.route_table import Route
 from forkyard.types import ENVD_PORT
 
 log = logging.getLogger(__name__)

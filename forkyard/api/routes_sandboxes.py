@@ -35,7 +35,8 @@ from forkyard.api.schemas import (
 )
 from forkyard.errors import Invalid
 from forkyard.orchestrator.ids import normalise_sandbox_id
-from forkyard.orchestrator.lifecycle import CreateRequest, MetricSample, Orchestrator
+from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator
+from forkyard.orchestrator.metrics_history import MetricSample
 from forkyard.orchestrator.store import ListQuery, LogLine, SandboxRecord
 from forkyard.types import SandboxState
 

@@ -22,15 +22,14 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import enum
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
-
-import psutil
+from typing import Final, NoReturn
 
 from forkyard.config import Settings
 from forkyard.errors import (
@@ -47,10 +46,15 @@ from forkyard.errors import (
 from forkyard.orchestrator import templates
 from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from forkyard.orchestrator.death_watch import DeathWatch
 from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.orchestrator.envd_client import EnvdClient
+from forkyard.orchestrator.idempotency import IdempotencyCache
 from forkyard.orchestrator.ids import new_access_token, new_sandbox_id
 from forkyard.orchestrator.logs import SandboxLogs
+from forkyard.orchestrator.metrics_history import MetricSample, MetricsHistory
+from forkyard.orchestrator.reaper import FrozenTierPolicy, Reaper
+from forkyard.orchestrator.route_table import Route, RouteTable
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.store import (
@@ -75,7 +79,6 @@ from forkyard.types import (
     ENVD_VERSION,
     EgressPolicy,
     SandboxInstance,
-    SandboxMetrics,
     SandboxSpec,
     SandboxState,
     TemplateImage,
@@ -117,11 +120,28 @@ STARTS_FROM: dict[str, frozenset[SandboxState]] = {
     "move_to_disk": frozenset({S.PAUSED}),
 }
 
+#: The pause tiers (``SandboxRecord.pause_tier``) a sandbox may move between; None: not paused
+#: (a legacy paused record without a tier is on disk). A pause enters a tier with ``paused``; the
+#: reaper's policy moves ``frozen`` through ``moving`` to ``disk`` (back to ``frozen`` when the
+#: checkpoint fails, or recovery finds the sandbox still running); a resume leaves any tier.
+TIER_EDGES: dict[PauseTier | None, frozenset[PauseTier | None]] = {
+    None: frozenset({"frozen", "disk", "filesystem"}),
+    # frozen -> disk: recovery adopts a committed pause snapshot of a frozen sandbox found gone.
+    "frozen": frozenset({"moving", "disk", None}),
+    "moving": frozenset({"disk", "frozen"}),
+    "disk": frozenset({None}),
+    "filesystem": frozenset({None}),
+}
+
+
+class _Keep(enum.Enum):
+    TIER = 0
+
+
+#: ``_enter``'s default: the pause tier stays as it is.
+KEEP_TIER: Final = _Keep.TIER
+
 CLIENT_ID = "forkyard"
-REAPER_INTERVAL_SECONDS = 0.5
-METRICS_INTERVAL_SECONDS = 5.0
-METRICS_HISTORY = 720  # one hour at 5 s
-IDEMPOTENCY_KEYS_KEPT = 10_000
 #: Parallel restores of a fork: each is a runsc (or VMM) start plus a CPU-bound state load, so
 #: two per core keep the cores busy while one waits on I/O; more only queue.
 FORK_PARALLELISM = max(2, 2 * (os.cpu_count() or 1))
@@ -147,27 +167,6 @@ class CreateRequest:
     network: dict[str, object] | None = None
     #: ``network.allowOut``/``denyOut`` as enforced (None: the defaults only).
     egress: EgressPolicy | None = None
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the proxy sends a sandbox's traffic."""
-
-    sandbox_id: str
-    address: str
-    envd_url: str
-    traffic_access_token: str | None
-    #: ``network.maskRequestHost``: the Host the sandbox sees (``${PORT}`` expanded by the proxy).
-    mask_request_host: str | None = None
-    #: envd's token (secure sandboxes): a signed file URL without routing headers is routed to
-    #: the sandbox whose token signs it (the SDK's ``download_url`` with ``E2B_SANDBOX_URL``).
-    envd_access_token: str | None = None
-
-
-@dataclass(frozen=True)
-class MetricSample:
-    at: dt.datetime
-    metrics: SandboxMetrics
 
 
 @dataclass(frozen=True)
@@ -272,21 +271,22 @@ class Orchestrator:
         #: Template builds and deletes (of templates and of user snapshots: one namespace in E2B).
         self.template_owner = template_owner
         self._locks: dict[str, asyncio.Lock] = {}
-        self._routes: dict[str, Route] = {}
-        #: Per running sandbox, the task waiting for its processes to die (:meth:`_watch`).
-        self._watchers: dict[str, asyncio.Task[None]] = {}
-        #: The runtime's wait behind each watcher (its result: why the sandbox died, or None).
-        self._exits: dict[str, asyncio.Task[str | None]] = {}
-        #: Called with a sandbox's id when it stops being reachable (kill, pause, death,
-        #: snapshot): the API layer ends the streams its proxy has open to it.
-        self._detach_listeners: list[Callable[[str], None]] = []
         #: Counting the node's sandboxes and inserting a new one are one step (``max_sandboxes``).
         self._admission = asyncio.Lock()
-        self._metrics: dict[str, list[MetricSample]] = {}
-        self._idempotency: dict[str, str] = {}
-        self._reaper: asyncio.Task[None] | None = None
-        #: Frozen sandboxes whose move to disk is under way.
-        self._moving: set[str] = set()
+        # The jobs beside the transitions, each with its own state; they report back through
+        # the callbacks handed to them, and every transition they ask for runs here.
+        #: Where each reachable sandbox's traffic goes; the API subscribes to its removals
+        #: (kill, pause, death, snapshot) to end the streams its proxy has open.
+        self.route_table = RouteTable()
+        self.deaths = DeathWatch(on_death=self._died)
+        self.metrics_history = MetricsHistory()
+        self.idempotency = IdempotencyCache()
+        self.reaper = Reaper(
+            store,
+            FrozenTierPolicy(settings, background, move_to_disk=self._move_to_disk),
+            expire=self._expire,
+            sample=self._sample,
+        )
 
     # -- start-up and shut-down ----------------------------------------------------------------
 
@@ -302,19 +302,15 @@ class Orchestrator:
             log.info("snapshot recovery removed %s", ", ".join(removed))
         await self.catalog.collect_garbage(self.runtimes)
         await self.template_snapshots.warm_up()
-        self._reaper = asyncio.create_task(self._reap_forever(), name="forkyard-reaper")
+        self.reaper.start()
 
     async def close(self) -> None:
         """Stop background work and kill pooled sandboxes. Sandboxes with a record keep running:
         a restarted server re-attaches them."""
         await self.template_snapshots.close()
         await self.standbys.close()
-        if self._reaper:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        for sandbox_id in list(self._watchers):  # the sandboxes run on; a restart re-watches
-            self._unwatch(sandbox_id)
+        await self.reaper.close()
+        self.deaths.close()  # the sandboxes run on; a restart watches them again
         await self.background.drain(CLOSE_GRACE_SECONDS)
         for runtime in self.runtimes:  # what runtimes keep ahead of demand (QEMU spares)
             await runtime.stop_prestarted()
@@ -361,15 +357,14 @@ class Orchestrator:
             self._watch(rec)
             return
         if alive and await self._freeze(rec):  # a move to disk was cut short: it runs, thawed
-            rec.pause_tier = "frozen"
-            await self.store.save(rec)
+            await self._enter(rec, S.PAUSED, tier="frozen")
             self._watch(rec)
             log.info("recovery: paused sandbox %s frozen again in place", rec.sandbox_id)
             return
         committed = await self.catalog.rows("pause", source=rec.sandbox_id)
         if committed:
-            rec.pause_snapshot, rec.pause_tier = committed[0].snapshot_id, "disk"
-            await self.store.save(rec)
+            rec.pause_snapshot = committed[0].snapshot_id
+            await self._enter(rec, S.PAUSED, tier="disk")
             log.info("recovery: paused sandbox %s is on disk (%s)", rec.sandbox_id, rec.pause_snapshot)
             return
         with contextlib.suppress(Failed):
@@ -413,10 +408,21 @@ class Orchestrator:
                 raise conflict(rec, op)
             yield rec
 
-    async def _enter(self, rec: SandboxRecord, state: SandboxState) -> None:
-        """Record ``rec``'s move to ``state`` and persist it (the caller holds the lock)."""
+    async def _enter(
+        self, rec: SandboxRecord, state: SandboxState, *, tier: PauseTier | _Keep | None = KEEP_TIER
+    ) -> None:
+        """Record ``rec``'s move to ``state`` (and pause ``tier``, unless kept) and persist it:
+        the one gate of every state and tier change (the caller holds the lock)."""
         if state != rec.state and state not in EDGES[rec.state]:
             raise Failed(f"sandbox {rec.sandbox_id}: no transition from {rec.state} to {state}")
+        if not isinstance(tier, _Keep) and tier != rec.pause_tier:
+            if tier not in TIER_EDGES[rec.pause_tier]:
+                raise Failed(
+                    f"sandbox {rec.sandbox_id}: no pause tier change from {rec.pause_tier} to {tier}"
+                )
+            if tier is not None and state != S.PAUSED:
+                raise Failed(f"sandbox {rec.sandbox_id}: a pause tier ({tier}) outside paused ({state})")
+            rec.pause_tier = tier
         rec.state = state
         await self.store.save(rec)
 
@@ -426,69 +432,38 @@ class Orchestrator:
     def _attach(self, rec: SandboxRecord) -> None:
         """Make a running sandbox reachable through the proxy."""
         assert rec.instance is not None
-        self._routes[rec.sandbox_id] = Route(
-            sandbox_id=rec.sandbox_id,
-            address=rec.instance.address,
-            envd_url=rec.instance.envd_url,
-            traffic_access_token=rec.traffic_access_token,
-            envd_access_token=rec.envd_access_token,
-            mask_request_host=_str_or_none(rec.network.get("maskRequestHost")),
+        self.route_table.add(
+            Route(
+                sandbox_id=rec.sandbox_id,
+                address=rec.instance.address,
+                envd_url=rec.instance.envd_url,
+                traffic_access_token=rec.traffic_access_token,
+                envd_access_token=rec.envd_access_token,
+                mask_request_host=_str_or_none(rec.network.get("maskRequestHost")),
+            )
         )
         self._watch(rec)
 
     def _detach(self, sandbox_id: str) -> None:
-        self._routes.pop(sandbox_id, None)
-        self._metrics.pop(sandbox_id, None)
-        self._unwatch(sandbox_id)
-        for listener in self._detach_listeners:
-            try:
-                listener(sandbox_id)
-            except Exception:
-                log.exception("detach listener failed for %s", sandbox_id)
-
-    def add_detach_listener(self, listener: Callable[[str], None]) -> None:
-        """Have ``listener(sandbox_id)`` called whenever a sandbox stops being reachable."""
-        self._detach_listeners.append(listener)
+        """The sandbox stops being reachable: no route, no metrics, no death watch (what stops
+        it now is an operation of ours), and the route table's subscribers hear of it."""
+        self.metrics_history.forget(sandbox_id)
+        self.deaths.unwatch(sandbox_id)
+        self.route_table.remove(sandbox_id)
 
     # -- dead-sandbox detection ----------------------------------------------------------------
-
-    def _unwatch(self, sandbox_id: str) -> None:
-        watcher = self._watchers.pop(sandbox_id, None)
-        if watcher is not None and watcher is not asyncio.current_task():
-            watcher.cancel()  # what stops the sandbox now is an operation of ours
-        exit_wait = self._exits.pop(sandbox_id, None)
-        if exit_wait is not None:
-            exit_wait.cancel()
 
     def _watch(self, rec: SandboxRecord) -> None:
         """Wait (a pidfd or the like, not polling) for the processes of a running or frozen
         sandbox to die. Every operation that stops it on purpose unwatches it first."""
         assert rec.instance is not None
-        self._unwatch(rec.sandbox_id)
-        exit_wait = asyncio.create_task(self._runtime(rec).wait_exit(rec.instance))
-        self._exits[rec.sandbox_id] = exit_wait
-        self._watchers[rec.sandbox_id] = asyncio.create_task(
-            self._await_death(rec.sandbox_id, rec.instance, exit_wait), name=f"watch-{rec.sandbox_id}"
-        )
-
-    async def _await_death(
-        self, sandbox_id: str, instance: SandboxInstance, exit_wait: asyncio.Task[str | None]
-    ) -> None:
-        try:
-            reason = await exit_wait
-        except Exception as exc:  # cannot watch: the sandbox is found dead on its next use
-            log.warning("cannot watch sandbox %s for its death: %s", sandbox_id, exc)
-            return
-        if reason is not None:
-            await self._died(sandbox_id, instance, reason)
+        self.deaths.watch(rec.sandbox_id, self._runtime(rec), rec.instance)
 
     async def _died(self, sandbox_id: str, instance: SandboxInstance, reason: str) -> None:
         """Record a death nobody asked for: killed with the reason in its logs, its network and
         disk freed (``_destroy``); the API then reports it gone, as E2B does (404)."""
         async with self._lock(sandbox_id):
-            if self._watchers.get(sandbox_id) is asyncio.current_task():
-                del self._watchers[sandbox_id]
-                self._exits.pop(sandbox_id, None)
+            self.deaths.reported(sandbox_id)
             rec = await self.store.get(sandbox_id)
             frozen = rec is not None and rec.state == S.PAUSED and rec.pause_tier == "frozen"
             if rec is None or not (rec.state == S.RUNNING or frozen) or rec.instance != instance:
@@ -499,11 +474,11 @@ class Orchestrator:
                 await self._destroy(rec, reason=f"its processes died ({reason})")
 
     def route(self, sandbox_id: str) -> Route | None:
-        return self._routes.get(sandbox_id)
+        return self.route_table.get(sandbox_id)
 
     def routes(self) -> list[Route]:
         """The routes of every reachable sandbox."""
-        return list(self._routes.values())
+        return self.route_table.all()
 
     @staticmethod
     def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
@@ -521,15 +496,13 @@ class Orchestrator:
     async def create(self, req: CreateRequest, idempotency_key: str | None = None) -> SandboxRecord:
         """Create a sandbox from a template or a user snapshot (``templateID`` names either).
         Runs shielded: a client that disconnects mid-way does not leave a half-made sandbox."""
-        if idempotency_key and idempotency_key in self._idempotency:
-            existing = await self.store.get(self._idempotency[idempotency_key])
+        earlier = self.idempotency.sandbox_for(idempotency_key)
+        if earlier is not None:
+            existing = await self.store.get(earlier)
             if existing and existing.state != S.KILLED:
                 return existing
         rec = await asyncio.shield(self.background.spawn(self._create(req)))
-        if idempotency_key:
-            self._idempotency[idempotency_key] = rec.sandbox_id
-            while len(self._idempotency) > IDEMPOTENCY_KEYS_KEPT:  # oldest first (dict order)
-                self._idempotency.pop(next(iter(self._idempotency)))
+        self.idempotency.remember(idempotency_key, rec.sandbox_id)
         return rec
 
     async def _create(self, req: CreateRequest) -> SandboxRecord:
@@ -781,19 +754,11 @@ class Orchestrator:
         rec = await self.get(sandbox_id)
         if rec.state == S.RUNNING:
             await self._sample(rec)
-        return list(self._metrics.get(sandbox_id, []))
+        return self.metrics_history.of(sandbox_id)
 
     async def _sample(self, rec: SandboxRecord) -> None:
-        if rec.instance is None:
-            return
-        try:
-            m = await self._runtime(rec).metrics(rec.instance)
-        except Exception as exc:  # a sandbox mid-transition has no metrics: skip this sample
-            log.debug("metrics of %s failed: %s", rec.sandbox_id, exc)
-            return
-        history = self._metrics.setdefault(rec.sandbox_id, [])
-        history.append(MetricSample(utcnow(), m))
-        del history[:-METRICS_HISTORY]
+        if rec.instance is not None:
+            await self.metrics_history.sample(rec.sandbox_id, self._runtime(rec), rec.instance)
 
     # -- kill and timeouts ---------------------------------------------------------------------
 
@@ -809,10 +774,10 @@ class Orchestrator:
         (At start-up recovery needs nothing extra: a killed row is not re-attached, and
         ``cleanup_orphans`` removes what no live row names.)"""
         reaped = []
-        for sandbox_id in list(self._routes):
+        for sandbox_id in self.route_table.ids():
             async with self._lock(sandbox_id):  # an operation under way finishes first
                 rec = await self.store.get(sandbox_id)
-                if rec is None or rec.state != S.KILLED or sandbox_id not in self._routes:
+                if rec is None or rec.state != S.KILLED or sandbox_id not in self.route_table:
                     continue
                 self._detach(sandbox_id)
                 instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
@@ -920,28 +885,6 @@ class Orchestrator:
                 internet="off" if allow_internet_access is False else "on",
             )
             return rec
-
-    async def _reap_forever(self) -> None:
-        last_metrics = 0.0
-        while True:
-            try:
-                await self._reap_expired()
-                frozen = [r for r in await self.store.in_states((S.PAUSED,)) if r.pause_tier == "frozen"]
-                self._move_frozen_to_disk(frozen)
-                if time.monotonic() - last_metrics >= METRICS_INTERVAL_SECONDS:
-                    last_metrics = time.monotonic()
-                    for rec in await self.store.in_states((S.RUNNING,)):
-                        await self._sample(rec)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("timeout reaper iteration failed")  # the next iteration retries
-            await asyncio.sleep(REAPER_INTERVAL_SECONDS)
-
-    async def _reap_expired(self) -> None:
-        ids = await self.store.expired(utcnow())
-        if ids:
-            await asyncio.gather(*(self._expire(i) for i in ids))
 
     async def _expire(self, sandbox_id: str) -> None:
         try:
@@ -1053,9 +996,8 @@ class Orchestrator:
         return True
 
     async def _paused(self, rec: SandboxRecord, tier: PauseTier, started: float) -> None:
-        rec.pause_tier = tier
         rec.paused_at = utcnow()
-        await self._enter(rec, S.PAUSED)
+        await self._enter(rec, S.PAUSED, tier=tier)
         if tier == "frozen":  # its processes live on, frozen: their death loses its memory
             self._watch(rec)
         self.telemetry.observe("pause", tier, time.monotonic() - started)
@@ -1103,10 +1045,9 @@ class Orchestrator:
             await self._destroy(rec, reason=f"resume failed: {exc}")
             raise_failure(exc, f"resuming sandbox {rec.sandbox_id}")
         rec.pause_snapshot = None
-        rec.pause_tier = None
         rec.paused_at = None
         rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
-        await self._enter(rec, S.RUNNING)
+        await self._enter(rec, S.RUNNING, tier=None)
         self._attach(rec)
         self.telemetry.observe("resume", str(tier), time.monotonic() - started)
         await self.logs.event(
@@ -1129,7 +1070,7 @@ class Orchestrator:
         assert rec.instance is not None
         # Watched since the pause (or recovery): the wait holds the process already, which a
         # wait started now could not, the process being gone by the time it looked.
-        death = self._exits.get(rec.sandbox_id)
+        death = self.deaths.exit_wait(rec.sandbox_id)
         await self._runtime(rec).thaw(rec.instance)
         # No restore since its last /init and envd's watches ran until the freeze: nothing to revalidate.
         init = asyncio.ensure_future(
@@ -1147,27 +1088,6 @@ class Orchestrator:
 
     # -- moving frozen sandboxes to disk -------------------------------------------------------
 
-    def _move_frozen_to_disk(self, frozen: list[SandboxRecord]) -> None:
-        """The policy of the frozen tier, run by the reaper: a sandbox frozen longer than
-        ``pause_disk_after_seconds`` goes to disk; while the node is short of memory, so does the
-        longest-frozen one (one at a time: each checkpoint frees its memory before the next)."""
-        now = utcnow()
-        idle = dt.timedelta(seconds=self.settings.pause_disk_after_seconds)
-        for rec in frozen:
-            if rec.paused_at is not None and now - rec.paused_at >= idle:
-                self._start_move(rec.sandbox_id, "frozen for longer than pause_disk_after_seconds")
-        available_mib = psutil.virtual_memory().available >> 20
-        if frozen and available_mib < self.settings.pause_min_available_mib and not self._moving:
-            oldest = min(frozen, key=lambda r: r.paused_at or now)
-            self._start_move(oldest.sandbox_id, f"node memory short ({available_mib} MiB available)")
-
-    def _start_move(self, sandbox_id: str, reason: str) -> None:
-        if sandbox_id in self._moving:
-            return
-        self._moving.add(sandbox_id)
-        task = self.background.spawn(self._move_to_disk(sandbox_id, reason), name=f"to-disk-{sandbox_id}")
-        task.add_done_callback(lambda _: self._moving.discard(sandbox_id))
-
     async def _move_to_disk(self, sandbox_id: str, reason: str) -> None:
         """Checkpoint a frozen sandbox and free its memory; it stays paused (on disk). The record
         says ``moving`` meanwhile, so a crash half-way is recovered (:meth:`_recover_paused`)."""
@@ -1177,9 +1097,8 @@ class Orchestrator:
                     return
                 assert rec.instance is not None
                 started = time.monotonic()
-                rec.pause_tier = "moving"
-                await self.store.save(rec)
-                self._unwatch(sandbox_id)  # the checkpoint stops it on purpose
+                await self._enter(rec, S.PAUSED, tier="moving")
+                self.deaths.unwatch(sandbox_id)  # the checkpoint stops it on purpose
                 runtime = self._runtime(rec)
                 await runtime.thaw(rec.instance)  # a checkpoint needs a running sandbox
                 try:
@@ -1188,8 +1107,7 @@ class Orchestrator:
                     await self._stay_frozen(rec, exc)
                     return
                 rec.pause_snapshot = row.snapshot_id
-                rec.pause_tier = "disk"
-                await self.store.save(rec)
+                await self._enter(rec, S.PAUSED, tier="disk")
                 self.telemetry.observe("move_to_disk", "disk", time.monotonic() - started)
                 await self.logs.event(
                     sandbox_id,
@@ -1206,8 +1124,7 @@ class Orchestrator:
         assert rec.instance is not None
         log.warning("moving paused sandbox %s to disk failed: %s", rec.sandbox_id, exc)
         if await self._is_alive(rec) and await self._freeze(rec):
-            rec.pause_tier = "frozen"
-            await self.store.save(rec)
+            await self._enter(rec, S.PAUSED, tier="frozen")
             self._watch(rec)
             return
         await self._destroy(
