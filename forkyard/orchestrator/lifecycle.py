@@ -54,6 +54,7 @@ from forkyard.orchestrator.ids import new_access_token, new_sandbox_id
 from forkyard.orchestrator.logs import SandboxLogs
 from forkyard.orchestrator.metrics_history import MetricSample, MetricsHistory
 from forkyard.orchestrator.reaper import FrozenTierPolicy, Reaper
+from forkyard.orchestrator.recovery import Recovery, RecoveryActions
 from forkyard.orchestrator.route_table import Route, RouteTable
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
@@ -287,6 +288,20 @@ class Orchestrator:
             expire=self._expire,
             sample=self._sample,
         )
+        self.recovery = Recovery(
+            store,
+            catalog,
+            runtimes,
+            RecoveryActions(
+                is_alive=self._is_alive,
+                reattach=self._attach,
+                revive=self._revive,
+                destroy=self._destroy_found_dead,
+                refreeze=self._freeze,
+                set_tier=self._set_tier,
+                watch=self._watch,
+            ),
+        )
 
     # -- start-up and shut-down ----------------------------------------------------------------
 
@@ -295,12 +310,7 @@ class Orchestrator:
         await self.catalog.open(self.store.db)
         # Before recovery: sandboxes that outlived the last run may have domain rules to serve.
         await network.resume_egress_proxy(self.settings)
-        await self._recover()
-        paused = {r.sandbox_id: r.pause_snapshot or "" for r in await self.store.in_states((S.PAUSED,))}
-        removed = await self.catalog.sweep(paused)
-        if removed:
-            log.info("snapshot recovery removed %s", ", ".join(removed))
-        await self.catalog.collect_garbage(self.runtimes)
+        await self.recovery.run()
         await self.template_snapshots.warm_up()
         self.reaper.start()
 
@@ -318,57 +328,12 @@ class Orchestrator:
         await egress_proxy.stop()
         await self.store.close()
 
-    async def _recover(self) -> None:
-        """Re-attach sandboxes that survived a server restart, revive a fork's parent a crash
-        left stopped, clean up the rest; then have each runtime remove what no record names."""
-        for rec in await self.store.in_states(LIVE_STATES):
-            if rec.state == S.RUNNING and await self._is_alive(rec):
-                self._attach(rec)
-                log.info("recovery: re-attached running sandbox %s", rec.sandbox_id)
-            elif rec.state == S.RUNNING and await self._revive(rec):
-                log.info("recovery: revived sandbox %s from its fork checkpoint", rec.sandbox_id)
-            else:
-                log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
-                with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
-                    await self._destroy(
-                        rec, reason=f"server restart found it {rec.state} but not alive", release_now=True
-                    )
-        for rec in await self.store.in_states((S.PAUSED,)):
-            await self._recover_paused(rec)
-        keep = {r.sandbox_id for r in await self.store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
-        for runtime in self.runtimes:
-            try:
-                removed = await runtime.cleanup_orphans(keep)
-            except Exception:
-                log.exception("recovery: %s cleanup_orphans failed", runtime.name)
-                continue
-            if removed:
-                log.info("recovery: %s removed leaked sandboxes %s", runtime.name, ", ".join(removed))
+    async def _destroy_found_dead(self, rec: SandboxRecord, reason: str) -> None:
+        with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
+            await self._destroy(rec, reason=reason, release_now=True)
 
-    async def _recover_paused(self, rec: SandboxRecord) -> None:
-        """A frozen sandbox outlives the server (its processes stay, frozen); one a crash caught
-        moving to disk is frozen again if it still runs, or takes the pause snapshot that
-        checkpoint committed; one whose processes are gone (a host reboot) is lost."""
-        if rec.pause_tier in ("disk", "filesystem"):  # nothing of it runs; its disk is kept
-            return
-        alive = await self._is_alive(rec)
-        if alive and rec.pause_tier == "frozen":
-            log.info("recovery: paused sandbox %s is still frozen in place", rec.sandbox_id)
-            self._watch(rec)
-            return
-        if alive and await self._freeze(rec):  # a move to disk was cut short: it runs, thawed
-            await self._enter(rec, S.PAUSED, tier="frozen")
-            self._watch(rec)
-            log.info("recovery: paused sandbox %s frozen again in place", rec.sandbox_id)
-            return
-        committed = await self.catalog.rows("pause", source=rec.sandbox_id)
-        if committed:
-            rec.pause_snapshot = committed[0].snapshot_id
-            await self._enter(rec, S.PAUSED, tier="disk")
-            log.info("recovery: paused sandbox %s is on disk (%s)", rec.sandbox_id, rec.pause_snapshot)
-            return
-        with contextlib.suppress(Failed):
-            await self._destroy(rec, reason="server restart found the frozen sandbox gone", release_now=True)
+    async def _set_tier(self, rec: SandboxRecord, tier: PauseTier) -> None:
+        await self._enter(rec, S.PAUSED, tier=tier)
 
     async def _is_alive(self, rec: SandboxRecord) -> bool:
         if rec.instance is None:
@@ -1090,7 +1055,7 @@ class Orchestrator:
 
     async def _move_to_disk(self, sandbox_id: str, reason: str) -> None:
         """Checkpoint a frozen sandbox and free its memory; it stays paused (on disk). The record
-        says ``moving`` meanwhile, so a crash half-way is recovered (:meth:`_recover_paused`)."""
+        says ``moving`` meanwhile, so a crash half-way is recovered (``Recovery``)."""
         try:
             async with self._operate(sandbox_id, "move_to_disk") as rec:
                 if rec.pause_tier != "frozen":
