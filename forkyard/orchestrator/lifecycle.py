@@ -11,9 +11,15 @@ may start from which state is :data:`STARTS_FROM` (docs/ARCHITECTURE.md draws bo
 
 Every way a sandbox comes up (cold boot, template snapshot restore, warm-pool claim, user
 snapshot restore, fork child) is one path, :meth:`Orchestrator._bring_up`, which registers an
-undo for each step it took. The snapshot catalog, the template snapshots with their warm pool,
-the runtimes, the registry, envd's client and the logs are collaborators handed in at
-construction (:func:`build_orchestrator` is the composition root).
+undo for each step it took. Every state and pause-tier change goes through one gate,
+:meth:`Orchestrator._enter` (:data:`EDGES`, :data:`TIER_EDGES`).
+
+The other jobs are collaborators with their own state. Handed in at construction
+(:func:`build_orchestrator` is the composition root): the snapshot catalog, the template
+snapshots with their warm pool, the standbys, the runtimes, the sandbox store, envd's client, the
+logs, the telemetry and the template owner. Made by the orchestrator, because they call back into
+its transitions: the route table (its subscribers hear of removals), the death watch, the metrics
+history, the idempotency cache, the reaper with the frozen-tier policy, and start-up recovery.
 """
 
 from __future__ import annotations
