@@ -48,6 +48,26 @@ class SandboxState(enum.StrEnum):
     KILLED = "killed"
 
 
+# The groups of states, named once (the registry, the lifecycle, the gateway and the node role
+# ask these questions of records).
+_S = SandboxState
+#: A record in these still owns host resources a paused one does not (a process, or one being
+#: made or freed): start-up recovery re-attaches or cleans them up.
+LIVE_STATES: tuple[SandboxState, ...] = (_S.CREATING, _S.RUNNING, _S.PAUSING, _S.RESUMING, _S.KILLING)
+#: Everything not killed: what a node holds, and what a lost node's loss kills.
+HELD_STATES: tuple[SandboxState, ...] = (*LIVE_STATES, _S.PAUSED)
+#: What the API lists and shows (E2B's ``running`` and ``paused``).
+LISTED_STATES: tuple[SandboxState, ...] = (_S.RUNNING, _S.PAUSED)
+#: What an SDK can still reach (any other state answers 404).
+REACHABLE_STATES: tuple[SandboxState, ...] = (_S.RUNNING, _S.PAUSED, _S.PAUSING, _S.RESUMING, _S.CREATING)
+#: Counted against a node's ``max_sandboxes`` and slots: running or on the way there (a paused
+#: sandbox keeps its place without holding a slot).
+ADMITTED_STATES: tuple[SandboxState, ...] = (_S.CREATING, _S.RUNNING, _S.RESUMING)
+#: What start-up recovery keeps of the runtimes' resources (a paused sandbox's disk, a pausing
+#: one's checkpoint under way).
+KEPT_BY_RECOVERY: tuple[SandboxState, ...] = (_S.RUNNING, _S.PAUSED, _S.PAUSING)
+
+
 @dataclass(frozen=True)
 class TemplateImage:
     """What a runtime needs of a template: its read-only root file system and limits."""

@@ -11,8 +11,8 @@ import urllib.parse
 from forkyard.api.schemas import ListedSandbox
 from forkyard.config import Settings
 from forkyard.errors import Invalid
-from forkyard.orchestrator.store import LISTED_STATES, SandboxRecord
-from forkyard.types import SandboxState
+from forkyard.orchestrator.store import SandboxRecord
+from forkyard.types import LISTED_STATES, SandboxState
 
 #: ``GET /v2/sandboxes``: the largest page (openapi.yml ``limit`` maximum).
 LIST_LIMIT_MAX = 100

@@ -65,7 +65,6 @@ from forkyard.orchestrator.route_table import Route, RouteTable
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.store import (
-    LIVE_STATES,
     ListQuery,
     LogLine,
     Origin,
@@ -83,7 +82,9 @@ from forkyard.runtime.base import Capability, Runtime
 from forkyard.storage.objectstore import SnapshotObjects
 from forkyard.storage.snapshots import SnapshotKind, SnapshotRow
 from forkyard.types import (
+    ADMITTED_STATES,
     ENVD_VERSION,
+    HELD_STATES,
     EgressPolicy,
     SandboxInstance,
     SandboxSpec,
@@ -596,7 +597,7 @@ class Orchestrator:
             await self.store.insert(rec)
             return
         async with self._admission:
-            held = len(await self.store.in_states((S.CREATING, S.RUNNING, S.RESUMING)))
+            held = len(await self.store.in_states(ADMITTED_STATES))
             if held >= cap:
                 if isinstance(source, Claim):  # taken from a pool: nothing else will stop it
                     with contextlib.suppress(Exception):
@@ -761,7 +762,7 @@ class Orchestrator:
 
     async def node_metrics(self) -> bytes:
         """The node's metrics in Prometheus' text format (the API's ``/metrics``)."""
-        return self.telemetry.exposition(await self.store.in_states((*LIVE_STATES, S.PAUSED)))
+        return self.telemetry.exposition(await self.store.in_states(HELD_STATES))
 
     async def _destroy(self, rec: SandboxRecord, *, reason: str, release_now: bool = False) -> None:
         """Stop the sandbox, mark it killed, then free what it held (caller holds the lock, or it

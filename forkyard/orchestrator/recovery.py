@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from forkyard.orchestrator.catalog import SnapshotCatalog
 from forkyard.orchestrator.runtimes import RuntimeSet
-from forkyard.orchestrator.store import LIVE_STATES, PauseTier, SandboxRecord, SandboxStore
-from forkyard.types import SandboxState
+from forkyard.orchestrator.store import PauseTier, SandboxRecord, SandboxStore
+from forkyard.types import KEPT_BY_RECOVERY, LIVE_STATES, SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Recovery:
 
     async def _remove_orphans(self) -> None:
         """Have each runtime remove what no record names (leaks of a crash, failed releases)."""
-        keep = {r.sandbox_id for r in await self._store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
+        keep = {r.sandbox_id for r in await self._store.in_states(KEPT_BY_RECOVERY)}
         for runtime in self._runtimes:
             try:
                 removed = await runtime.cleanup_orphans(keep)

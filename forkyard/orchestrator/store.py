@@ -38,18 +38,7 @@ from sqlalchemy import (
 from forkyard.config import Settings
 from forkyard.storage.db import Registry, open_registry_at
 from forkyard.storage.db.schema import sandbox_logs, sandboxes
-from forkyard.types import EgressPolicy, SandboxInstance, SandboxState
-
-#: States in which a record still owns host resources (recovery re-attaches or cleans them).
-LIVE_STATES = (
-    SandboxState.CREATING,
-    SandboxState.RUNNING,
-    SandboxState.PAUSING,
-    SandboxState.RESUMING,
-    SandboxState.KILLING,
-)
-#: States the API lists.
-LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+from forkyard.types import LISTED_STATES, EgressPolicy, SandboxInstance, SandboxState
 
 #: How a sandbox came to be: booted from its template, restored from the template's snapshot,
 #: claimed from the warm pool, restored from a user snapshot or claimed from its standbys, or

@@ -26,9 +26,8 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_api_key
 from forkyard.orchestrator.lifecycle import Orchestrator
-from forkyard.orchestrator.store import LIVE_STATES
 from forkyard.runtime.base import Runtime
-from forkyard.types import SandboxState
+from forkyard.types import HELD_STATES, SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def _mib(n: float) -> int:
 async def node_status(app: FastAPI) -> dict[str, Any]:
     orch: Orchestrator = app.state.orchestrator
     runtime: Runtime = app.state.hub.runtime
-    live = await orch.store.in_states((*LIVE_STATES, SandboxState.PAUSED))
+    live = await orch.store.in_states(HELD_STATES)
     by_state: dict[str, int] = {}
     by_tier: dict[str, int] = {}
     for rec in live:
