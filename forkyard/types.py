@@ -113,6 +113,11 @@ class SandboxSpec:
     ahead_of_demand: bool = False
 
 
+#: The keys of :attr:`SandboxInstance.state` every runtime writes (read through its properties).
+TEMPLATE_ROOTFS_KEY = "template_rootfs"
+NETWORK_KEY = "network"
+
+
 @dataclass
 class SandboxInstance:
     """A live sandbox as the runtime left it. ``state`` is runtime-private and JSON-serialisable:
@@ -125,6 +130,23 @@ class SandboxInstance:
     #: Address of the sandbox on its private link; ports other than envd's are reached here too.
     address: str
     state: dict[str, Any] = field(default_factory=dict)
+
+    # The facts every runtime records in its state that the layers above need: read through
+    # these, never the runtime's dict (its keys are the runtime's own business).
+
+    @property
+    def template_rootfs(self) -> str | None:
+        """The template root the sandbox's disk stands on (snapshots record it; a filesystem-only
+        resume and a rollback check it)."""
+        value = self.state.get(TEMPLATE_ROOTFS_KEY)
+        return str(value) if value else None
+
+    @property
+    def network_state(self) -> dict[str, Any] | None:
+        """The runtime's record of the sandbox's network link (``runtime.network.SandboxNetwork``
+        state), None where it keeps none."""
+        value = self.state.get(NETWORK_KEY)
+        return value if isinstance(value, dict) and value else None
 
     @classmethod
     def placeholder(cls, sandbox_id: str, runtime: str) -> SandboxInstance:

@@ -74,19 +74,19 @@ def sandbox_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
 
 
 def detail_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
-    net = rec.network or {}
+    net = rec.network
     detail = SandboxDetail.model_validate(
         {
             **listed_fields(rec),
             "envd_access_token": rec.envd_access_token,
-            "allow_internet_access": rec.allow_internet_access,
+            "allow_internet_access": net.allow_internet_access,
             "domain": domain,
             "network": NetworkInfo(
                 allow_public_traffic=rec.traffic_access_token is None,
-                allow_out=[*rec.egress.allow_out, *rec.egress.allow_domains] if rec.egress else [],
-                deny_out=list(rec.egress.deny_out if rec.egress else ()),
-                mask_request_host=net.get("maskRequestHost"),
-                dns_servers=net.get("dnsServers"),
+                allow_out=[*net.egress.allow_out, *net.egress.allow_domains] if net.egress else [],
+                deny_out=list(net.egress.deny_out if net.egress else ()),
+                mask_request_host=net.mask_request_host,
+                dns_servers=list(net.dns_servers) if net.dns_servers is not None else None,
             ),
             "lifecycle": SandboxLifecycle(
                 auto_resume=rec.auto_resume, on_timeout="pause" if rec.auto_pause else "kill"
@@ -133,21 +133,18 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
         # openapi.yml: a filesystem-only snapshot is never auto-resumed by traffic.
         raise Invalid("autoResume cannot be combined with autoPauseMemory=false")
     network = body.network
-    allow_internet = body.allow_internet_access
-    egress, kept = create_network(network, secure=secure, internet_closed=allow_internet is False)
+    policy = create_network(network, secure=secure, allow_internet_access=body.allow_internet_access)
     return CreateRequest(
         template_id=body.template_id,
         timeout_seconds=timeout,
         metadata=body.metadata or {},
         envs=body.env_vars or {},
         secure=secure,
-        allow_internet_access=allow_internet,
+        network=policy,
         auto_pause=body.auto_pause,
         auto_pause_memory=body.auto_pause_memory,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         allow_public_traffic=network.allow_public_traffic is not False if network else True,
-        network=kept,
-        egress=egress,
     )
 
 

@@ -67,6 +67,7 @@ from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.store import (
     ListQuery,
     LogLine,
+    NetworkPolicy,
     Origin,
     PauseTier,
     SandboxRecord,
@@ -166,15 +167,13 @@ class CreateRequest:
     metadata: dict[str, str]
     envs: dict[str, str]
     secure: bool
-    allow_internet_access: bool | None
+    #: ``allowInternetAccess`` and ``network`` (allowOut/denyOut as enforced, maskRequestHost, dnsServers).
+    network: NetworkPolicy = dataclasses.field(default_factory=NetworkPolicy)
     auto_pause: bool = False
     #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
     auto_pause_memory: bool = True
     auto_resume: bool = False
     allow_public_traffic: bool = True
-    network: dict[str, object] | None = None
-    #: ``network.allowOut``/``denyOut`` as enforced (None: the defaults only).
-    egress: EgressPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -214,10 +213,6 @@ def conflict(rec: SandboxRecord, op: str) -> Conflict:
     if STARTS_FROM[op] == {S.RUNNING}:
         return Conflict(f"sandbox {rec.sandbox_id} is {rec.state}, not running")
     return Conflict(f"cannot {op.replace('_', ' ')} sandbox {rec.sandbox_id}: it is {rec.state}")
-
-
-def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def failure(exc: BaseException, what: str) -> BaseException:
@@ -411,7 +406,7 @@ class Orchestrator:
                 envd_url=rec.instance.envd_url,
                 traffic_access_token=rec.traffic_access_token,
                 envd_access_token=rec.envd_access_token,
-                mask_request_host=_str_or_none(rec.network.get("maskRequestHost")),
+                mask_request_host=rec.network.mask_request_host,
             )
         )
         self._watch(rec)
@@ -458,9 +453,9 @@ class Orchestrator:
             sandbox_id=rec.sandbox_id,
             template=image,
             envs=rec.envs,
-            allow_internet_access=rec.allow_internet_access is not False,
+            allow_internet_access=rec.network.internet,
             envd_access_token=rec.envd_access_token,
-            egress=rec.egress,
+            egress=rec.network.egress,
         )
 
     # -- bringing a sandbox up: create, restore, claim, fork child -----------------------------
@@ -508,7 +503,7 @@ class Orchestrator:
         """Claim a warm-pool sandbox, else restore the template's snapshot; None (boot instead)
         when the snapshot does not restore. Pooled sandboxes have internet access."""
         template_id = snap.image.template_id
-        instance = self.template_snapshots.claim(snap) if req.allow_internet_access is not False else None
+        instance = self.template_snapshots.claim(snap) if req.network.internet else None
         if instance is not None:
             rec = self._from_snapshot_record(snap.row, instance.sandbox_id, req, template_id, "warm_pool")
             try:
@@ -527,7 +522,7 @@ class Orchestrator:
 
     async def _from_user_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
         """Claim a standby of the snapshot, else restore it. Standbys have internet access."""
-        instance = await self.standbys.claim(row) if req.allow_internet_access is not False else None
+        instance = await self.standbys.claim(row) if req.network.internet else None
         if instance is not None:
             rec = self._from_snapshot_record(row, instance.sandbox_id, req, None, "standby")
             image = SnapshotMeta.of(row).image(row.template_id)
@@ -668,12 +663,10 @@ class Orchestrator:
             envs=dict(envs if envs is not None else req.envs),
             envd_access_token=envd_access_token or (new_access_token() if req.secure else None),
             traffic_access_token=None if req.allow_public_traffic else new_access_token(),
-            allow_internet_access=req.allow_internet_access,
             auto_pause=req.auto_pause,
             auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
-            network=dict(req.network or {}),
-            egress=req.egress,
+            network=req.network,
             origin=origin,
             restored_from=restored_from,
             memory_base=restored_from,
@@ -842,11 +835,12 @@ class Orchestrator:
             await self._runtime(rec).update_network(
                 rec.instance, allow_internet_access=allow_internet_access is not False, egress=egress
             )
-            rec.egress = egress if egress.allow_out or egress.deny_out else None
-            rec.allow_internet_access = allow_internet_access
-            rec.network = {k: v for k, v in rec.network.items() if k != "dnsServers"}
-            if dns_servers is not None:
-                rec.network["dnsServers"] = list(dns_servers)
+            rec.network = dataclasses.replace(
+                rec.network,
+                allow_internet_access=allow_internet_access,
+                egress=egress if egress.allow_out or egress.deny_out else None,
+                dns_servers=tuple(dns_servers) if dns_servers is not None else None,
+            )
             await self.store.save(rec)
             await self.logs.event(
                 sandbox_id,
@@ -934,7 +928,7 @@ class Orchestrator:
         """The resume of a filesystem-only pause: a fresh boot (new kernel, new boot id, no
         processes) from the template the sandbox's disk stands on, then ``/init``."""
         assert rec.instance is not None
-        rootfs = rec.instance.state.get("template_rootfs")  # what the kept disk stands on
+        rootfs = rec.instance.template_rootfs  # what the kept disk stands on
         image = (
             TemplateImage(
                 template_id=rec.template_id,
@@ -1135,7 +1129,7 @@ class Orchestrator:
         """Snapshot ``rec`` (caller holds its lock), commit it and add its row."""
         assert rec.instance is not None
         meta = SnapshotMeta(
-            template_rootfs=rec.instance.state.get("template_rootfs"),
+            template_rootfs=rec.instance.template_rootfs,
             cpu_count=rec.cpu_count,
             memory_mb=rec.memory_mb,
             disk_mb=rec.disk_mb,
@@ -1245,7 +1239,7 @@ class Orchestrator:
                 f"snapshot {row.snapshot_id} is of the {row.runtime} runtime, "
                 f"sandbox {rec.sandbox_id} of {rec.runtime}"
             )
-        if meta.template_rootfs != rec.instance.state.get("template_rootfs"):
+        if meta.template_rootfs != rec.instance.template_rootfs:
             raise Invalid(
                 f"snapshot {row.snapshot_id} was taken of a sandbox on another template than "
                 f"sandbox {rec.sandbox_id}'s ({rec.template_id})"
@@ -1319,10 +1313,8 @@ class Orchestrator:
             metadata=dict(parent.metadata),
             envs={},
             secure=parent.envd_access_token is not None,
-            allow_internet_access=parent.allow_internet_access,
             allow_public_traffic=parent.traffic_access_token is None,
-            network=dict(parent.network or {}),
-            egress=parent.egress,
+            network=parent.network,
         )
         async with gate:
             try:

@@ -113,8 +113,8 @@ class Runtime(abc.ABC):
     ) -> None:
         """Replace a running sandbox's outbound policy in place (``network.update_egress``).
         Every runtime keeps its :class:`~forkyard.runtime.network.SandboxNetwork` in
-        ``instance.state["network"]``; one that keeps none cannot."""
-        state = instance.state.get("network")
+        ``instance.network_state``; one that keeps none cannot."""
+        state = instance.network_state
         if not state:  # a 409 (the endpoint's documented refusal), not a server error
             raise Conflict(f"sandbox {instance.sandbox_id} has no network of its own to update")
         await network.update_egress(

@@ -22,7 +22,7 @@ from forkyard.orchestrator.lifecycle import (
     Orchestrator,
     build_orchestrator,
 )
-from forkyard.orchestrator.store import SandboxRecord
+from forkyard.orchestrator.store import NetworkPolicy, SandboxRecord
 from forkyard.orchestrator.timing import utcnow
 from forkyard.orchestrator.undo import Undo
 from forkyard.types import ENVD_INIT_REVALIDATE, SandboxState
@@ -114,7 +114,7 @@ def request(template_id: str = "base") -> CreateRequest:
         metadata={"k": "v"},
         envs={},
         secure=False,
-        allow_internet_access=True,
+        network=NetworkPolicy(allow_internet_access=True),
     )
 
 
@@ -343,7 +343,7 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
                 metadata={},
                 envs={"MINE": "1"},
                 secure=False,
-                allow_internet_access=True,
+                network=NetworkPolicy(allow_internet_access=True),
             )
         )
         assert third.origin == "standby" and third.restored_from == snap.snapshot_id
