@@ -29,7 +29,7 @@ from forkyard.errors import Invalid
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.lifecycle import Orchestrator
 from forkyard.orchestrator.store import NetworkPolicy
-from forkyard.runtime.network import parse_egress
+from forkyard.runtime.egress_policy import parse_egress
 from forkyard.types import EgressPolicy
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

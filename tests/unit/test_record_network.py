@@ -16,6 +16,7 @@ from forkyard.orchestrator.store import NetworkPolicy, SandboxRecord, SandboxSto
 from forkyard.types import EgressPolicy, SandboxInstance, SandboxState
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+FORKYARD = Path(__file__).resolve().parents[2] / "forkyard"
 
 
 def record(sandbox_id: str, network: NetworkPolicy) -> SandboxRecord:
@@ -106,7 +107,7 @@ async def test_the_shared_facts_of_an_instance_read_from_a_runtime_state_of_any_
 
 async def test_no_layer_above_the_runtimes_reads_an_instance_state_dict() -> None:
     """``SandboxInstance.state`` is the runtime's own: the layers above read the typed facts."""
-    repo = Path(__file__).resolve().parents[2] / "forkyard"
+    repo = FORKYARD
     readers = [
         f"{path.relative_to(repo)}:{n}"
         for layer in ("api", "gateway", "orchestrator", "cli")
