@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from forkyard.api.auth import require_api_key
-from forkyard.api.routes_sandboxes import Orch, check_timeout, domain_of, sandbox_body
+from forkyard.api.routes_sandboxes import Orch, check_timeout, public_domain, sandbox_body
 from forkyard.api.schemas import _Request
 from forkyard.errors import error_body
 from forkyard.orchestrator.ids import normalise_sandbox_id
@@ -79,7 +79,7 @@ async def resume(
 ) -> JSONResponse:
     timeout = check_timeout(body.timeout if body else 15)
     rec = await orch.resume(normalise_sandbox_id(sandbox_id), timeout)
-    return JSONResponse(sandbox_body(rec, domain_of(request)), status_code=201)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
 
 
 # -- snapshots ---------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ async def fork(
 ) -> JSONResponse:
     req = body or SandboxForkRequest.model_validate({})
     outcomes = await orch.fork(normalise_sandbox_id(sandbox_id), req.count, check_timeout(req.timeout))
-    domain = domain_of(request)
+    domain = public_domain(request)
     results: list[dict[str, object]] = []
     for outcome in outcomes:
         if outcome.record is not None:
@@ -138,4 +138,4 @@ async def rollback(
     """Put a running sandbox back to a snapshot in place: same id, timeout and metadata; the
     answer is the sandbox, as a resume's."""
     rec = await orch.rollback(normalise_sandbox_id(sandbox_id), body.snapshot_id)
-    return JSONResponse(sandbox_body(rec, domain_of(request)), status_code=200)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=200)

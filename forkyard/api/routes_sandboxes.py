@@ -51,7 +51,7 @@ def orchestrator(request: Request) -> Orchestrator:
 Orch = Annotated[Orchestrator, Depends(orchestrator)]
 
 
-def domain_of(request: Request) -> str:
+def public_domain(request: Request) -> str:
     """The ``domain`` for this request's answers: the listener's (HTTP or HTTPS) that took it."""
     domain: str = request.app.state.sandbox_domain
     return domain
@@ -153,7 +153,7 @@ async def _create(
 ) -> JSONResponse:
     req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
     rec = await orch.create(req, idempotency_key=idempotency_key)
-    return JSONResponse(sandbox_body(rec, domain_of(request)), status_code=201)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
 
 
 @router.post("/sandboxes", status_code=201)
@@ -265,7 +265,7 @@ async def sandboxes_metrics(
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(request: Request, sandbox_id: str, orch: Orch) -> JSONResponse:
     rec = await orch.get(normalise_sandbox_id(sandbox_id))
-    return JSONResponse(detail_body(rec, domain_of(request)))
+    return JSONResponse(detail_body(rec, public_domain(request)))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
@@ -294,7 +294,7 @@ async def _connect(
         body.timeout if body.timeout is not None else orch.settings.default_timeout_seconds
     )
     rec, resumed = await orch.connect(normalise_sandbox_id(sandbox_id), timeout)
-    return JSONResponse(sandbox_body(rec, domain_of(request)), status_code=201 if resumed else 200)
+    return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201 if resumed else 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")

@@ -151,7 +151,6 @@ class LoopbackRuntime(Runtime):
         self.fail_create = fail_create
         self.snapshots_supported = snapshots
         self.freezes = freezes
-        self.capabilities = frozenset({Capability.FREEZE}) if freezes else frozenset()
         #: Sandboxes frozen now (a frozen upstream stops answering, like a frozen sandbox).
         self.frozen: set[str] = set()
         #: (sandbox id, where, stop) of every snapshot, and (sandbox id, source) of every restore.
@@ -232,6 +231,10 @@ class LoopbackRuntime(Runtime):
         assert instance.sandbox_id not in self.frozen, "a frozen sandbox is thawed before its checkpoint"
         if stop:
             await self.kill(instance)
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:  # type: ignore[override]
+        return frozenset({Capability.FREEZE}) if self.freezes else frozenset()
 
     async def freeze(self, instance: SandboxInstance) -> None:
         if not self.freezes:
