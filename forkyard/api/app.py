@@ -11,7 +11,7 @@ from fastapi import FastAPI, Response
 
 from forkyard.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
 from forkyard.api.console import install as install_console
-from forkyard.api.e2b_wire import sandbox_domain
+from forkyard.api.e2b_wire import http_domain
 from forkyard.api.errors import install_error_handlers
 from forkyard.api.limits import BodyLimit
 from forkyard.api.proxy import SandboxProxy
@@ -59,7 +59,11 @@ class Hub:
             await self._orchestrator.close()
 
 
-def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, runtime: Runtime | None = None, *, public_domain: str | None = None
+) -> FastAPI:
+    """The node's app. ``public_domain``: the ``domain`` answered to SDKs when it is not the plain
+    HTTP listener's (the HTTPS listener's, ``forkyard serve`` with TLS)."""
     hub = Hub(settings, runtime)
 
     @asynccontextmanager
@@ -74,7 +78,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.state.hub = hub
     app.state.settings = settings
     app.state.api_keys = settings.effective_api_keys()
-    app.state.sandbox_domain = sandbox_domain(settings)
+    app.state.public_domain = public_domain or http_domain(settings)
     install_error_handlers(app)
 
     @app.get("/health", include_in_schema=False)

@@ -18,10 +18,10 @@ from forkyard.types import LISTED_STATES, SandboxState
 LIST_LIMIT_MAX = 100
 
 
-def sandbox_domain(settings: Settings) -> str:
+def http_domain(settings: Settings) -> str:
     """The ``domain`` returned to SDKs over plain HTTP, so ``sandbox.get_host(port)`` gives a
     reachable ``{port}-{id}.{domain}`` (with the API port when serving on localhost). The HTTPS
-    listener's is :func:`forkyard.api.tls.https_sandbox_domain`."""
+    listener's is :func:`forkyard.api.tls.https_domain`."""
     if settings.domain == "localhost" and settings.port not in (80, 443):
         return f"localhost:{settings.port}"
     return settings.domain

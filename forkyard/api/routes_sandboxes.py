@@ -53,7 +53,7 @@ Orch = Annotated[Orchestrator, Depends(orchestrator)]
 
 def public_domain(request: Request) -> str:
     """The ``domain`` for this request's answers: the listener's (HTTP or HTTPS) that took it."""
-    domain: str = request.app.state.sandbox_domain
+    domain: str = request.app.state.public_domain
     return domain
 
 

@@ -46,10 +46,10 @@ from forkyard.api.e2b_wire import (
     LIST_LIMIT_MAX,
     decode_cursor,
     encode_cursor,
+    http_domain,
     listed_body,
     parse_metadata_query,
     parse_states,
-    sandbox_domain,
 )
 from forkyard.api.errors import error_response
 from forkyard.api.limits import BodyLimit
@@ -90,7 +90,7 @@ class Gateway:
         self.settings = settings
         self.gateway_id = f"{socket.gethostname()}:{settings.port}:{uuid.uuid4().hex[:8]}"
         self.api_keys = settings.effective_api_keys()
-        self.domain = sandbox_domain(settings)
+        self.domain = http_domain(settings)
         self.nodes_client = NodeClient(settings.node_secrets, self.gateway_id)
         self.relay = EnvdRelay(settings.node_secrets, self.gateway_id, settings.max_upload_bytes)
         self._store: SandboxStore | None = None

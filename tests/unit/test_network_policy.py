@@ -108,7 +108,7 @@ def test_the_ca_is_made_once_and_signs_a_wildcard_for_the_domain(tmp_path: Path)
     assert "*.sbx.example.test" in names.get_values_for_type(x509.DNSName)
     ctx = ssl.create_default_context(cafile=str(second.bundle))  # loads: the bundle parses
     assert ctx.cert_store_stats()["x509_ca"] >= 1
-    assert tls.https_sandbox_domain(settings) == "sbx.example.test:8443"
+    assert tls.https_domain(settings) == "sbx.example.test:8443"
     with pytest.raises(Invalid, match="two labels"):
         tls.check_domain("localhost")
 
