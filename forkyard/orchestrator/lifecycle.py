@@ -324,6 +324,7 @@ class Orchestrator:
         await self.reaper.close()
         self.deaths.close()  # the sandboxes run on; a restart watches them again
         await self.background.drain(CLOSE_GRACE_SECONDS)
+        await self.template_owner.close()  # its builder's envd client
         for runtime in self.runtimes:  # what runtimes keep ahead of demand (QEMU spares)
             await runtime.stop_prestarted()
         await self.envd.close()

@@ -53,6 +53,10 @@ class TemplateOwner:
             settings, runtimes, template_snapshots, background, collect=self.collect_garbage
         )
 
+    async def close(self) -> None:
+        """After the server's background work is drained (builds under way are cancelled there)."""
+        await self.builder.close()
+
     async def collect_garbage(self) -> None:
         """Free the disk layers and template roots nothing stands on any more."""
         await self._catalog.collect_garbage(self._runtimes)
