@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.harness import stats, write_result
 from forkyard.config import Settings
 from forkyard.orchestrator.lifecycle import CreateRequest, build_orchestrator
-from forkyard.orchestrator.store import SandboxRecord, SandboxStore
+from forkyard.orchestrator.store import NetworkPolicy, SandboxRecord, SandboxStore
 from forkyard.types import SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
@@ -83,7 +83,12 @@ async def _orchestrator_loop(tmp: Path, runs: int, url: str) -> list[float]:
     orch = build_orchestrator(config, runtime)
     await orch.start()
     request = CreateRequest(
-        template_id="base", timeout_seconds=60, metadata={}, envs={}, secure=False, allow_internet_access=True
+        template_id="base",
+        timeout_seconds=60,
+        metadata={},
+        envs={},
+        secure=False,
+        network=NetworkPolicy(allow_internet_access=True),
     )
     samples: list[float] = []
     try:

@@ -48,6 +48,26 @@ class SandboxState(enum.StrEnum):
     KILLED = "killed"
 
 
+# The groups of states, named once (the registry, the lifecycle, the gateway and the node role
+# ask these questions of records).
+_S = SandboxState
+#: A record in these still owns host resources a paused one does not (a process, or one being
+#: made or freed): start-up recovery re-attaches or cleans them up.
+LIVE_STATES: tuple[SandboxState, ...] = (_S.CREATING, _S.RUNNING, _S.PAUSING, _S.RESUMING, _S.KILLING)
+#: Everything not killed: what a node holds, and what a lost node's loss kills.
+HELD_STATES: tuple[SandboxState, ...] = (*LIVE_STATES, _S.PAUSED)
+#: What the API lists and shows (E2B's ``running`` and ``paused``).
+LISTED_STATES: tuple[SandboxState, ...] = (_S.RUNNING, _S.PAUSED)
+#: What an SDK can still reach (any other state answers 404).
+REACHABLE_STATES: tuple[SandboxState, ...] = (_S.RUNNING, _S.PAUSED, _S.PAUSING, _S.RESUMING, _S.CREATING)
+#: Counted against a node's ``max_sandboxes`` and slots: running or on the way there (a paused
+#: sandbox keeps its place without holding a slot).
+ADMITTED_STATES: tuple[SandboxState, ...] = (_S.CREATING, _S.RUNNING, _S.RESUMING)
+#: What start-up recovery keeps of the runtimes' resources (a paused sandbox's disk, a pausing
+#: one's checkpoint under way).
+KEPT_BY_RECOVERY: tuple[SandboxState, ...] = (_S.RUNNING, _S.PAUSED, _S.PAUSING)
+
+
 @dataclass(frozen=True)
 class TemplateImage:
     """What a runtime needs of a template: its read-only root file system and limits."""
@@ -93,6 +113,11 @@ class SandboxSpec:
     ahead_of_demand: bool = False
 
 
+#: The keys of :attr:`SandboxInstance.state` every runtime writes (read through its properties).
+TEMPLATE_ROOTFS_KEY = "template_rootfs"
+NETWORK_KEY = "network"
+
+
 @dataclass
 class SandboxInstance:
     """A live sandbox as the runtime left it. ``state`` is runtime-private and JSON-serialisable:
@@ -105,6 +130,23 @@ class SandboxInstance:
     #: Address of the sandbox on its private link; ports other than envd's are reached here too.
     address: str
     state: dict[str, Any] = field(default_factory=dict)
+
+    # The facts every runtime records in its state that the layers above need: read through
+    # these, never the runtime's dict (its keys are the runtime's own business).
+
+    @property
+    def template_rootfs(self) -> str | None:
+        """The template root the sandbox's disk stands on (snapshots record it; a filesystem-only
+        resume and a rollback check it)."""
+        value = self.state.get(TEMPLATE_ROOTFS_KEY)
+        return str(value) if value else None
+
+    @property
+    def network_state(self) -> dict[str, Any] | None:
+        """The runtime's record of the sandbox's network link (``runtime.network.SandboxNetwork``
+        state), None where it keeps none."""
+        value = self.state.get(NETWORK_KEY)
+        return value if isinstance(value, dict) and value else None
 
     @classmethod
     def placeholder(cls, sandbox_id: str, runtime: str) -> SandboxInstance:

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Response
 
 from forkyard.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
 from forkyard.api.console import install as install_console
+from forkyard.api.e2b_wire import http_domain
 from forkyard.api.errors import install_error_handlers
 from forkyard.api.limits import BodyLimit
 from forkyard.api.proxy import SandboxProxy
@@ -43,7 +44,7 @@ class Hub:
         self._orchestrator = build_orchestrator(self.settings, self.runtime)
         # Dependencies point down: the API asks to hear when a sandbox leaves running, and its
         # proxy then ends the streams it has open to it.
-        self._orchestrator.add_detach_listener(self._sandbox_left)
+        self._orchestrator.route_table.subscribe(self._sandbox_left)
         await self._orchestrator.start()
         return self._orchestrator
 
@@ -58,15 +59,11 @@ class Hub:
             await self._orchestrator.close()
 
 
-def public_domain(settings: Settings) -> str:
-    """The ``domain`` returned to SDKs, so ``sandbox.get_host(port)`` gives a reachable
-    ``{port}-{id}.{domain}`` (with the API port when serving on localhost)."""
-    if settings.domain == "localhost" and settings.port not in (80, 443):
-        return f"localhost:{settings.port}"
-    return settings.domain
-
-
-def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, runtime: Runtime | None = None, *, public_domain: str | None = None
+) -> FastAPI:
+    """The node's app. ``public_domain``: the ``domain`` answered to SDKs when it is not the plain
+    HTTP listener's (the HTTPS listener's, ``forkyard serve`` with TLS)."""
     hub = Hub(settings, runtime)
 
     @asynccontextmanager
@@ -81,7 +78,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.state.hub = hub
     app.state.settings = settings
     app.state.api_keys = settings.effective_api_keys()
-    app.state.public_domain = public_domain(settings)
+    app.state.public_domain = public_domain or http_domain(settings)
     install_error_handlers(app)
 
     @app.get("/health", include_in_schema=False)
@@ -90,8 +87,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
 
     app.include_router(routes_sandboxes.router)
     app.include_router(routes_network.router)
-    # Before the lifecycle's routes: its DELETE /templates/{id} (snapshots) would take
-    # DELETE /templates/tags; the templates router's delete hands snapshots to it.
+    # DELETE /templates/{id} (a template or a user snapshot: one namespace in E2B) is the
+    # templates router's only.
     app.include_router(routes_templates.router)
     app.include_router(routes_lifecycle.router)
     install_console(app)  # /console and /node: our extensions (forkyard/api/console)

@@ -23,7 +23,7 @@ MAX_REQUEST_BYTES = 16 << 20
 _DRAIN_BYTES = 64 << 20
 #: Template build context uploads stream to disk with a limit of their own: E2B sends them to a
 #: presigned object-storage URL, outside its API and its limit.
-_STREAMED_PATHS = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$")
+STREAMED_PATHS = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$")
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -40,7 +40,7 @@ class BodyLimit:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _STREAMED_PATHS.match(scope.get("path", "")):
+        if scope["type"] != "http" or STREAMED_PATHS.match(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
         length = _content_length(scope)

@@ -23,6 +23,7 @@ from forkyard.errors import Invalid
 from forkyard.orchestrator.heartbeat import Capacity, Heartbeat
 from forkyard.orchestrator.lifecycle import Orchestrator
 from forkyard.storage.db import engine_for
+from forkyard.types import ADMITTED_STATES
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ async def measure(app: FastAPI) -> Capacity:
     free = int(cap["memoryAvailableMiB"])
     by_state = status["sandboxes"]["byState"]
     # Those on their way to running count: the gateway spreads creates by this.
-    held = sum(int(by_state.get(s, 0)) for s in ("creating", "running", "resuming"))
+    held = sum(int(by_state.get(str(s), 0)) for s in ADMITTED_STATES)
     slots = max(0, free // SLOT_MIB)
     if settings.max_sandboxes > 0:  # the node refuses creates past it (Orchestrator._admit)
         slots = min(slots, max(0, settings.max_sandboxes - held))

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from forkyard.api.limits import _STREAMED_PATHS
-from forkyard.api.proxy import find_target
+from forkyard.api.limits import STREAMED_PATHS
+from forkyard.api.relay import find_target
 from forkyard.config import Settings
 from forkyard.errors import Unauthenticated
 
@@ -130,7 +130,7 @@ class NodeAuth:
         return (
             scope["type"] == "websocket"
             or find_target(scope, self.domains) is not None
-            or bool(_STREAMED_PATHS.match(scope.get("path", "")))
+            or bool(STREAMED_PATHS.match(scope.get("path", "")))
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

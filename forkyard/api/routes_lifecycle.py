@@ -108,13 +108,6 @@ async def list_snapshots(
     return JSONResponse([await snapshot_body(orch, r) for r in page], headers=headers)
 
 
-@router.delete("/templates/{template_id}", status_code=204)
-async def delete_snapshot(template_id: str, orch: Orch) -> Response:
-    """Snapshots are templates in E2B: the SDK's ``delete_snapshot`` deletes the template."""
-    await orch.delete_snapshot(template_id)
-    return Response(status_code=204)
-
-
 # -- fork --------------------------------------------------------------------------------------
 
 

@@ -28,7 +28,8 @@ from forkyard.api.schemas import NetworkEgress, SandboxNetworkConfig, SandboxNet
 from forkyard.errors import Invalid
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.lifecycle import Orchestrator
-from forkyard.runtime.network import parse_egress
+from forkyard.orchestrator.store import NetworkPolicy
+from forkyard.runtime.egress_policy import parse_egress
 from forkyard.types import EgressPolicy
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -74,25 +75,27 @@ def check_mask(mask: str) -> str:
 
 
 def create_network(
-    network: SandboxNetworkConfig | None, *, secure: bool, internet_closed: bool = False
-) -> tuple[EgressPolicy | None, dict[str, object]]:
-    """A create's network: the policy to enforce and what the record keeps besides it."""
+    network: SandboxNetworkConfig | None, *, secure: bool, allow_internet_access: bool | None
+) -> NetworkPolicy:
+    """A create's network policy (``allowInternetAccess`` and ``network``), checked."""
     if network is None:
-        return None, {}
+        return NetworkPolicy(allow_internet_access=allow_internet_access)
     if network.https_ports:
         raise Invalid("network.httpsPorts is not supported on this node (the proxy speaks HTTP to sandboxes)")
-    egress = egress_of(network, internet_closed=internet_closed)
+    egress = egress_of(network, internet_closed=allow_internet_access is False)
     if network.allow_public_traffic is False and not secure:
         raise Invalid(
             "You cannot create a sandbox without public access unless you enable secure envd "
             "access via 'secure' flag."
         )
-    kept: dict[str, object] = {}
-    if network.mask_request_host is not None:
-        kept["maskRequestHost"] = check_mask(network.mask_request_host)
-    if network.dns_servers is not None:
-        kept["dnsServers"] = list(network.dns_servers)
-    return (egress if egress.allow_out or egress.deny_out else None), kept
+    return NetworkPolicy(
+        allow_internet_access=allow_internet_access,
+        egress=egress if egress.allow_out or egress.deny_out else None,
+        mask_request_host=check_mask(network.mask_request_host)
+        if network.mask_request_host is not None
+        else None,
+        dns_servers=tuple(network.dns_servers) if network.dns_servers is not None else None,
+    )
 
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
-import urllib.parse
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_api_key
+from forkyard.api.e2b_wire import (
+    LIST_LIMIT_MAX,
+    decode_cursor,
+    encode_cursor,
+    listed_body,
+    listed_fields,
+    parse_metadata_query,
+    parse_states,
+)
 from forkyard.api.routes_network import create_network
 from forkyard.api.schemas import (
     MAX_TIMEOUT_SECONDS,
     ConnectSandbox,
-    ListedSandbox,
     NetworkInfo,
     NewSandbox,
     Sandbox,
@@ -30,13 +35,12 @@ from forkyard.api.schemas import (
 )
 from forkyard.errors import Invalid
 from forkyard.orchestrator.ids import normalise_sandbox_id
-from forkyard.orchestrator.lifecycle import CreateRequest, MetricSample, Orchestrator
-from forkyard.orchestrator.store import LISTED_STATES, ListQuery, LogLine, SandboxRecord
+from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator
+from forkyard.orchestrator.metrics_history import MetricSample
+from forkyard.orchestrator.store import ListQuery, LogLine, SandboxRecord
 from forkyard.types import SandboxState
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-
-LIST_LIMIT_MAX = 100
 
 
 def orchestrator(request: Request) -> Orchestrator:
@@ -48,6 +52,7 @@ Orch = Annotated[Orchestrator, Depends(orchestrator)]
 
 
 def public_domain(request: Request) -> str:
+    """The ``domain`` for this request's answers: the listener's (HTTP or HTTPS) that took it."""
     domain: str = request.app.state.public_domain
     return domain
 
@@ -68,41 +73,20 @@ def sandbox_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
     ).to_json()
 
 
-def _listed_fields(rec: SandboxRecord) -> dict[str, object]:
-    return {
-        "template_id": rec.template_id,
-        "alias": rec.alias,
-        "sandbox_id": rec.sandbox_id,
-        "client_id": rec.client_id,
-        "started_at": rec.started_at,
-        "end_at": rec.end_at,
-        "cpu_count": rec.cpu_count,
-        "memory_mb": rec.memory_mb,
-        "disk_size_mb": rec.disk_mb,
-        "metadata": rec.metadata,
-        "state": "paused" if rec.state == SandboxState.PAUSED else "running",
-        "envd_version": rec.envd_version,
-    }
-
-
-def listed_body(rec: SandboxRecord) -> dict[str, object]:
-    return ListedSandbox.model_validate(_listed_fields(rec)).to_json()
-
-
 def detail_body(rec: SandboxRecord, domain: str) -> dict[str, object]:
-    net = rec.network or {}
+    net = rec.network
     detail = SandboxDetail.model_validate(
         {
-            **_listed_fields(rec),
+            **listed_fields(rec),
             "envd_access_token": rec.envd_access_token,
-            "allow_internet_access": rec.allow_internet_access,
+            "allow_internet_access": net.allow_internet_access,
             "domain": domain,
             "network": NetworkInfo(
                 allow_public_traffic=rec.traffic_access_token is None,
-                allow_out=[*rec.egress.allow_out, *rec.egress.allow_domains] if rec.egress else [],
-                deny_out=list(rec.egress.deny_out if rec.egress else ()),
-                mask_request_host=net.get("maskRequestHost"),
-                dns_servers=net.get("dnsServers"),
+                allow_out=[*net.egress.allow_out, *net.egress.allow_domains] if net.egress else [],
+                deny_out=list(net.egress.deny_out if net.egress else ()),
+                mask_request_host=net.mask_request_host,
+                dns_servers=list(net.dns_servers) if net.dns_servers is not None else None,
             ),
             "lifecycle": SandboxLifecycle(
                 auto_resume=rec.auto_resume, on_timeout="pause" if rec.auto_pause else "kill"
@@ -149,21 +133,18 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
         # openapi.yml: a filesystem-only snapshot is never auto-resumed by traffic.
         raise Invalid("autoResume cannot be combined with autoPauseMemory=false")
     network = body.network
-    allow_internet = body.allow_internet_access
-    egress, kept = create_network(network, secure=secure, internet_closed=allow_internet is False)
+    policy = create_network(network, secure=secure, allow_internet_access=body.allow_internet_access)
     return CreateRequest(
         template_id=body.template_id,
         timeout_seconds=timeout,
         metadata=body.metadata or {},
         envs=body.env_vars or {},
         secure=secure,
-        allow_internet_access=allow_internet,
+        network=policy,
         auto_pause=body.auto_pause,
         auto_pause_memory=body.auto_pause_memory,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         allow_public_traffic=network.allow_public_traffic is not False if network else True,
-        network=kept,
-        egress=egress,
     )
 
 
@@ -197,41 +178,6 @@ async def create_sandbox_v2(
 
 
 # -- list --------------------------------------------------------------------------------------
-
-
-def parse_metadata_query(raw: str | None) -> dict[str, str]:
-    """The SDKs send ``metadata=urlencode({quote(k): quote(v)})``: decode both layers."""
-    if not raw:
-        return {}
-    try:
-        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
-    except ValueError:
-        raise Invalid(f"invalid metadata query {raw!r}: expected key=value pairs joined by '&'") from None
-    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
-
-
-def parse_states(raw: list[str] | None) -> tuple[SandboxState, ...]:
-    if not raw:
-        return LISTED_STATES
-    names = tuple(s.strip() for item in raw for s in item.split(",") if s.strip())
-    bad = [s for s in names if s not in LISTED_STATES]
-    if bad:
-        raise Invalid(f"invalid state {bad[0]!r}: expected one of {', '.join(LISTED_STATES)}")
-    return tuple(SandboxState(s) for s in names) or LISTED_STATES
-
-
-def encode_cursor(rec: SandboxRecord) -> str:
-    raw = f"{rec.started_at.timestamp():.6f}:{rec.seq}".encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_cursor(token: str) -> tuple[float, int]:
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        ts, seq = raw.split(":")
-        return float(ts), int(seq)
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise Invalid("invalid nextToken") from None
 
 
 @router.get("/v2/sandboxes")

@@ -4,9 +4,7 @@ build status and logs, tags, delete. Builds run in :mod:`forkyard.orchestrator.b
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -21,7 +19,7 @@ from forkyard.api.schemas import (
     TemplateBuildStartV2,
 )
 from forkyard.config import Settings
-from forkyard.errors import Conflict, Forbidden, Invalid, NotFound
+from forkyard.errors import Invalid, NotFound
 from forkyard.orchestrator import templates
 from forkyard.orchestrator.builder import (
     Build,
@@ -48,20 +46,9 @@ def _settings(request: Request) -> Settings:
 
 
 def builder(request: Request) -> TemplateBuilder:
-    """The node's builder, made on first use from the running orchestrator's parts."""
-    state = request.app.state
-    found: TemplateBuilder | None = getattr(state, "template_builder", None)
-    if found is None:
-        orch: Orchestrator = state.orchestrator
-        found = TemplateBuilder(
-            orch.settings,
-            orch.runtimes,
-            orch.template_snapshots,
-            orch.background,
-            collect=lambda: orch.catalog.collect_garbage(orch.runtimes),
-        )
-        state.template_builder = found
-    return found
+    """The node's builder (composed with the rest in ``build_orchestrator``)."""
+    orch: Orchestrator = request.app.state.orchestrator
+    return orch.template_owner.builder
 
 
 def _iso(value: dt.datetime) -> str:
@@ -378,48 +365,12 @@ async def list_tags(request: Request, template_id: str) -> JSONResponse:
     )
 
 
-#: How long a delete waits for the template's snapshots being made in the background.
-SNAPSHOT_SETTLE_SECONDS = 60.0
-
-
-async def _settle_template_snapshots(orch: Orchestrator, name: str) -> None:
-    """Wait for the template's snapshots being made in the background (a create of an older
-    build starts one) to land, so the delete drops them too instead of leaving a snapshot and
-    a warm pool on a deleted build."""
-    deadline = time.monotonic() + SNAPSHOT_SETTLE_SECONDS
-    while orch.template_snapshots.making(name) and time.monotonic() < deadline:  # noqa: ASYNC110 (no event to wait on)
-        await asyncio.sleep(0.1)
-
-
-# Declared after ``/templates/tags``: a path parameter would take "tags" too.
-@router.delete("/templates/{template_id}", dependencies=AUTH)
+# Declared after ``/templates/tags``: a path parameter would take "tags" too. ``:path``: the SDKs
+# send E2B's namespaced names (``team/name:tag``) percent-encoded, which arrive decoded here.
+@router.delete("/templates/{template_id:path}", dependencies=AUTH)
 async def delete_template(request: Request, template_id: str) -> Response:
-    """Delete a template built through the build API (with its snapshot and warm pool): no name
-    finds it any more, but its sandboxes keep running and snapshots of it keep restoring. The
-    node's recipe templates (``base``) are not the API's to delete."""
-    settings = _settings(request)
+    """A template built through the build API, or a user snapshot: snapshots are templates in
+    E2B, and the SDK's ``delete_snapshot`` sends this too (``TemplateOwner.delete`` decides)."""
     orch: Orchestrator = request.app.state.orchestrator
-    try:
-        name, _ = storage.split_name(template_id)
-    except storage.InvalidTemplateId:
-        name = ""
-    the_builder = builder(request)
-    if not name or (not storage.is_built(name, settings) and not the_builder.builds_of(name)):
-        # Snapshots are templates in E2B: the SDK's ``delete_snapshot`` sends this too.
-        await orch.delete_snapshot(template_id)
-        return Response(status_code=204)
-    if the_builder.building(name):
-        raise Conflict(f"template '{name}' is being built; delete it when the build has ended")
-    if name in storage.RECIPES or (
-        storage.is_built(name, settings) and not storage.read_metadata(name, settings).get("build_id")
-    ):
-        raise Forbidden(f"template '{name}' is built from this node's recipe (forkyard template build)")
-    await _settle_template_snapshots(orch, name)
-    await orch.template_snapshots.forget(name)
-    the_builder.forget(name)
-    if storage.template_dir(name, settings).exists():
-        storage.delete_template(name, settings)
-    # Its builds' roots go now unless a sandbox or snapshot stands on them (E2B's: those keep
-    # running and restoring); then when the last of them goes.
-    await orch.catalog.collect_garbage(orch.runtimes)
+    await orch.template_owner.delete(template_id)
     return Response(status_code=204)

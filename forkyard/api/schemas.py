@@ -53,7 +53,7 @@ class _Response(BaseModel):
 
 class NetworkEgress(_Request):
     """The egress fields create and update share. Entries are checked by
-    ``forkyard.runtime.network.parse_egress``; the fields this node cannot honour are refused
+    ``forkyard.runtime.egress_policy.parse_egress``; the fields this node cannot honour are refused
     by the routes rather than ignored."""
 
     allow_out: list[str] | None = Field(None, alias="allowOut")

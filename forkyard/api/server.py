@@ -64,13 +64,12 @@ def run(host: str | None = None, port: int | None = None, role: str = "single") 
         log.info("runtime %s not used: %s", name, why)
     log.info("data directory: %s; templates: %s", settings.data_dir, settings.templates_dir)
 
-    app = create_app(settings, runtime=runtime)
     # Bound before anything is printed: a port in use is a clear error, not a half-started node.
     tls_socket = _bind(settings.host, settings.tls_port) if settings.tls_port else None
     tls_files = tls.ensure_tls(settings) if tls_socket else None
-    if tls_socket is not None:
-        # What the API answers as ``domain``: ``sandbox.get_host(port)`` names the HTTPS listener.
-        app.state.public_domain = tls.public_domain(settings)
+    # What the API answers as ``domain``: with TLS ``sandbox.get_host(port)`` names the HTTPS listener.
+    domain = tls.https_domain(settings) if tls_socket is not None else None
+    app = create_app(settings, runtime=runtime, public_domain=domain)
     # Printed on stdout (logs go to stderr) so a script can capture exactly these lines.
     print(f"forkyard listening on http://{settings.host}:{settings.port}", flush=True)
     if settings.role == "node":
@@ -86,7 +85,7 @@ def run(host: str | None = None, port: int | None = None, role: str = "single") 
 
 
 def sandbox_url_help(settings: Settings, files: tls.TlsFiles) -> str:
-    domain = tls.public_domain(settings)
+    domain = tls.https_domain(settings)
     return "\n".join(
         [
             f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host); trust the CA with:",

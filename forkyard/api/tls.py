@@ -171,7 +171,7 @@ def ensure_tls(settings: Settings) -> TlsFiles:
     return files
 
 
-def public_domain(settings: Settings) -> str:
+def https_domain(settings: Settings) -> str:
     """The ``domain`` the API returns while the HTTPS listener runs (its port unless 443)."""
     domain = check_domain(settings.sandbox_domain)
     return domain if settings.tls_port == 443 else f"{domain}:{settings.tls_port}"

@@ -41,19 +41,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from forkyard.api.app import public_domain
 from forkyard.api.auth import check_key, presented_key
-from forkyard.api.errors import error_response
-from forkyard.api.limits import BodyLimit
-from forkyard.api.proxy import SignedFilesUrl, Target, find_target, not_found_message, send_error
-from forkyard.api.routes_sandboxes import (
+from forkyard.api.e2b_wire import (
     LIST_LIMIT_MAX,
     decode_cursor,
     encode_cursor,
+    http_domain,
     listed_body,
     parse_metadata_query,
     parse_states,
 )
+from forkyard.api.errors import error_response
+from forkyard.api.limits import BodyLimit
+from forkyard.api.relay import SignedFilesUrl, Target, find_target, not_found_message, send_error
 from forkyard.config import Settings
 from forkyard.errors import ForkyardError, Invalid, http_status
 from forkyard.gateway import placement
@@ -90,7 +90,7 @@ class Gateway:
         self.settings = settings
         self.gateway_id = f"{socket.gethostname()}:{settings.port}:{uuid.uuid4().hex[:8]}"
         self.api_keys = settings.effective_api_keys()
-        self.domain = public_domain(settings)
+        self.domain = http_domain(settings)
         self.nodes_client = NodeClient(settings.node_secrets, self.gateway_id)
         self.relay = EnvdRelay(settings.node_secrets, self.gateway_id, settings.max_upload_bytes)
         self._store: SandboxStore | None = None

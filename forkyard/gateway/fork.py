@@ -192,23 +192,23 @@ async def plan_spill(
     if local >= req.count:
         return None
     parent = await gw.store.get_any(parent_id)
-    if parent is None or parent.egress is not None:
+    if parent is None or parent.network.egress is not None:
         return None  # outbound rules are not carried by a create: the node answers what it can
     others = [n for n in nodes if n.node_id != node.node_id]
     plan = placement.spread(others, req.count - local, Need(), time.time(), gw.fresh_within, gw.placed)
     if not any(plan):
         return None
     network: dict[str, Any] = {"allowPublicTraffic": parent.traffic_access_token is None}
-    if parent.network.get("maskRequestHost"):
-        network["maskRequestHost"] = parent.network["maskRequestHost"]
+    if parent.network.mask_request_host:
+        network["maskRequestHost"] = parent.network.mask_request_host
     body: dict[str, Any] = {
         "timeout": req.timeout,
         "metadata": dict(parent.metadata),
         "secure": parent.envd_access_token is not None,
         "network": network,
     }
-    if parent.allow_internet_access is not None:
-        body["allow_internet_access"] = parent.allow_internet_access
+    if parent.network.allow_internet_access is not None:
+        body["allow_internet_access"] = parent.network.allow_internet_access
     for _ in range(local):
         placement.note_placed(gw.placed, node.node_id, placement.DEFAULT_MEMORY_MIB, time.time())
     return local, plan, body

@@ -3,7 +3,7 @@
 Control-plane calls are small JSON exchanges: read whole, signed with their body's hash and sent
 through one pooled httpx client. envd traffic (commands, file transfers, Connect streams) is
 relayed to the owning node's sandbox proxy with the proxy's own pooled h11 connections
-(forkyard/api/proxy.py ``_Upstream``), both bodies streamed chunk by chunk and signed with
+(forkyard/api/proxy.py ``Upstream``), both bodies streamed chunk by chunk and signed with
 :data:`~forkyard.api.nodeauth.UNSIGNED_PAYLOAD`; Host-routed requests (``{port}-{id}.{domain}``)
 reach the node as header-routed ones (``E2B-Sandbox-Id``/``-Port``), since the node's domain is
 not the gateway's.
@@ -23,23 +23,23 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from forkyard.api import nodeauth
-from forkyard.api.limits import _STREAMED_PATHS
-from forkyard.api.proxy import (
+from forkyard.api.limits import STREAMED_PATHS
+from forkyard.api.relay import (
     HOP_BY_HOP,
     WEBSOCKET_FAILURES,
+    ClientGone,
+    Connection,
+    Downstream,
     Target,
+    UploadTooLarge,
+    Upstream,
     UpstreamError,
-    _ClientGone,
-    _Connection,
-    _connection_tokens,
-    _Downstream,
-    _relay_websocket,
-    _UploadTooLarge,
-    _Upstream,
     connect_websocket,
+    connection_tokens,
     exchange,
     is_ascii_number,
     not_found_message,
+    relay_websocket,
     response_headers,
     send_error,
 )
@@ -95,7 +95,7 @@ class NodeClient:
             (k, v) for k, v in headers if k.lower() not in HOP_BY_HOP | _GATEWAY_ONLY | {"content-length"}
         ]
         # Template build context uploads are streamed at the node: it checks no body hash for them.
-        streamed = _STREAMED_PATHS.match(target.split("?", 1)[0]) is not None
+        streamed = STREAMED_PATHS.match(target.split("?", 1)[0]) is not None
         digest = nodeauth.UNSIGNED_PAYLOAD if streamed else nodeauth.body_hash(body)
         signed = nodeauth.signed_headers(self.secrets, self.gateway_id, method, target, digest)
         try:
@@ -117,13 +117,13 @@ class EnvdRelay:
         self.secrets = list(secrets)
         self.gateway_id = gateway_id
         self.limit = max_upload_bytes
-        self._upstream = _Upstream()
+        self._upstream = Upstream()
 
     def close(self) -> None:
         self._upstream.close()
 
     def _headers(self, scope: Scope, target: Target, host: str, method: str) -> list[tuple[str, str]]:
-        drop = HOP_BY_HOP | _ROUTING | _GATEWAY_ONLY | _connection_tokens(scope)
+        drop = HOP_BY_HOP | _ROUTING | _GATEWAY_ONLY | connection_tokens(scope)
         out = [("host", host)]
         for key, value in scope.get("headers", []):
             name = key.decode("latin-1").lower()
@@ -138,7 +138,7 @@ class EnvdRelay:
     async def http(self, scope: Scope, receive: Receive, send: Send, target: Target, node: NodeInfo) -> int:
         """Relay one exchange; returns the node's status (0: the node could not be reached)."""
         host, port = _origin(node.url)
-        down = _Downstream(receive, self.limit)
+        down = Downstream(receive, self.limit)
         length = next(
             (v.decode() for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None
         )
@@ -160,11 +160,11 @@ class EnvdRelay:
             conn, head = await self._exchange(
                 host, port, target.sandbox_id, request, down.body() if has_body else None
             )
-        except _UploadTooLarge:
+        except UploadTooLarge:
             await down.drain()
             await send_error(send, 413, f"request body exceeds the limit of {self.limit} bytes")
             return 413
-        except _ClientGone:
+        except ClientGone:
             return 499
         except (UpstreamError, OSError) as exc:
             log.info("relay to %s on %s failed: %s", target.sandbox_id, node.node_id, exc)
@@ -175,18 +175,18 @@ class EnvdRelay:
 
     async def _exchange(
         self, host: str, port: int, key: str, request: h11.Request, body: AsyncIterator[bytes] | None
-    ) -> tuple[_Connection, h11.Response]:
+    ) -> tuple[Connection, h11.Response]:
         return await exchange(self._upstream, host, port, key, request, body, peer="the node")
 
     async def _stream_back(
         self,
-        conn: _Connection,
+        conn: Connection,
         head: h11.Response,
         host: str,
         port: int,
         key: str,
         send: Send,
-        down: _Downstream,
+        down: Downstream,
     ) -> None:
         done = False
 
@@ -253,4 +253,4 @@ class EnvdRelay:
             )
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-        await _relay_websocket(receive, send, upstream)
+        await relay_websocket(receive, send, upstream)

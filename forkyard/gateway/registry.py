@@ -13,31 +13,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from forkyard.gateway.placement import NodeInfo
 from forkyard.storage.db import schema
-from forkyard.types import SandboxState
+from forkyard.types import HELD_STATES, REACHABLE_STATES, SandboxState
 
 #: A lost node's sandboxes in these states are reported gone (``killed``).
-_HELD_STATES = tuple(
-    str(s)
-    for s in (
-        SandboxState.CREATING,
-        SandboxState.RUNNING,
-        SandboxState.PAUSING,
-        SandboxState.PAUSED,
-        SandboxState.RESUMING,
-        SandboxState.KILLING,
-    )
-)
+_HELD_STATES = tuple(str(s) for s in HELD_STATES)
 #: What the SDK can still reach: a sandbox in any other state answers 404.
-_REACHABLE_STATES = tuple(
-    str(s)
-    for s in (
-        SandboxState.RUNNING,
-        SandboxState.PAUSED,
-        SandboxState.PAUSING,
-        SandboxState.RESUMING,
-        SandboxState.CREATING,
-    )
-)
+_REACHABLE_STATES = tuple(str(s) for s in REACHABLE_STATES)
 LOST_REASON = "node lost"
 
 

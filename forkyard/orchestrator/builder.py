@@ -47,14 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from forkyard.config import Settings
-from forkyard.errors import Conflict, Failed, Forbidden, ForkyardError, Invalid, NotFound, NotSupported
+from forkyard.errors import Conflict, Failed, Forbidden, ForkyardError, Invalid, NotFound
 from forkyard.orchestrator import templates
 from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.envd_exec import EnvdExec, OutputSink, shell_argv, start_and_wait_ready
 from forkyard.orchestrator.ids import new_sandbox_id
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.template_snapshots import TemplateSnapshots
-from forkyard.runtime.base import Runtime
+from forkyard.runtime.base import Capability, Runtime
 from forkyard.storage import images
 from forkyard.storage import templates as storage
 from forkyard.storage.envd_bundle import MOUNT_POINT
@@ -400,10 +400,9 @@ class TemplateBuilder:
     ) -> None:
         """Keep the root after this step as its cache layer (E2B caches every step), unless the
         runtime cannot show its layers. A failure here costs a later build that cache hit only."""
-        try:
-            layers = runtime.root_layers(instance)
-        except NotSupported:
+        if Capability.ROOT_LAYERS not in runtime.capabilities:
             return
+        layers = runtime.root_layers(instance)
         if (storage.step_layers_dir(self._settings) / key / storage.COMPLETE_MARKER).is_file():
             return
         started = time.monotonic()

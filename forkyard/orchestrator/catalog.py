@@ -270,9 +270,9 @@ class SnapshotCatalog:
             stmt = select(sandboxes.c.instance).where(sandboxes.c.state != str(SandboxState.KILLED))
             found = set()
             for (raw,) in conn.execute(stmt):
-                state = (json.loads(raw) if raw else {}).get("state") or {}
-                if state.get("template_rootfs"):
-                    found.add(str(state["template_rootfs"]))
+                root = SandboxInstance(**json.loads(raw)).template_rootfs if raw else None
+                if root:
+                    found.add(root)
             return found
 
         named: set[str] = await self.store.db.read(sandbox_roots)

@@ -11,9 +11,15 @@ may start from which state is :data:`STARTS_FROM` (docs/ARCHITECTURE.md draws bo
 
 Every way a sandbox comes up (cold boot, template snapshot restore, warm-pool claim, user
 snapshot restore, fork child) is one path, :meth:`Orchestrator._bring_up`, which registers an
-undo for each step it took. The snapshot catalog, the template snapshots with their warm pool,
-the runtimes, the registry, envd's client and the logs are collaborators handed in at
-construction (:func:`build_orchestrator` is the composition root).
+undo for each step it took. Every state and pause-tier change goes through one gate,
+:meth:`Orchestrator._enter` (:data:`EDGES`, :data:`TIER_EDGES`).
+
+The other jobs are collaborators with their own state. Handed in at construction
+(:func:`build_orchestrator` is the composition root): the snapshot catalog, the template
+snapshots with their warm pool, the standbys, the runtimes, the sandbox store, envd's client, the
+logs, the telemetry and the template owner. Made by the orchestrator, because they call back into
+its transitions: the route table (its subscribers hear of removals), the death watch, the metrics
+history, the idempotency cache, the reaper with the frozen-tier policy, and start-up recovery.
 """
 
 from __future__ import annotations
@@ -22,15 +28,14 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import enum
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
-
-import psutil
+from typing import Final, NoReturn
 
 from forkyard.config import Settings
 from forkyard.errors import (
@@ -47,34 +52,42 @@ from forkyard.errors import (
 from forkyard.orchestrator import templates
 from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
+from forkyard.orchestrator.death_watch import DeathWatch
 from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.orchestrator.envd_client import EnvdClient
+from forkyard.orchestrator.idempotency import IdempotencyCache
 from forkyard.orchestrator.ids import new_access_token, new_sandbox_id
 from forkyard.orchestrator.logs import SandboxLogs
+from forkyard.orchestrator.metrics_history import MetricSample, MetricsHistory
+from forkyard.orchestrator.reaper import FrozenTierPolicy, Reaper
+from forkyard.orchestrator.recovery import Recovery, RecoveryActions
+from forkyard.orchestrator.route_table import Route, RouteTable
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.store import (
-    LIVE_STATES,
     ListQuery,
     LogLine,
+    NetworkPolicy,
     Origin,
     PauseTier,
     SandboxRecord,
     SandboxStore,
 )
 from forkyard.orchestrator.telemetry import Telemetry
+from forkyard.orchestrator.template_owner import TemplateOwner
 from forkyard.orchestrator.template_snapshots import TemplateSnapshot, TemplateSnapshots
 from forkyard.orchestrator.timing import elapsed_ms, utcnow
 from forkyard.orchestrator.undo import Undo
 from forkyard.runtime import egress_proxy, network
-from forkyard.runtime.base import Runtime
+from forkyard.runtime.base import Capability, Runtime
 from forkyard.storage.objectstore import SnapshotObjects
 from forkyard.storage.snapshots import SnapshotKind, SnapshotRow
 from forkyard.types import (
+    ADMITTED_STATES,
     ENVD_VERSION,
+    HELD_STATES,
     EgressPolicy,
     SandboxInstance,
-    SandboxMetrics,
     SandboxSpec,
     SandboxState,
     TemplateImage,
@@ -116,11 +129,28 @@ STARTS_FROM: dict[str, frozenset[SandboxState]] = {
     "move_to_disk": frozenset({S.PAUSED}),
 }
 
+#: The pause tiers (``SandboxRecord.pause_tier``) a sandbox may move between; None: not paused
+#: (a legacy paused record without a tier is on disk). A pause enters a tier with ``paused``; the
+#: reaper's policy moves ``frozen`` through ``moving`` to ``disk`` (back to ``frozen`` when the
+#: checkpoint fails, or recovery finds the sandbox still running); a resume leaves any tier.
+TIER_EDGES: dict[PauseTier | None, frozenset[PauseTier | None]] = {
+    None: frozenset({"frozen", "disk", "filesystem"}),
+    # frozen -> disk: recovery adopts a committed pause snapshot of a frozen sandbox found gone.
+    "frozen": frozenset({"moving", "disk", None}),
+    "moving": frozenset({"disk", "frozen"}),
+    "disk": frozenset({None}),
+    "filesystem": frozenset({None}),
+}
+
+
+class _Keep(enum.Enum):
+    TIER = 0
+
+
+#: ``_enter``'s default: the pause tier stays as it is.
+KEEP_TIER: Final = _Keep.TIER
+
 CLIENT_ID = "forkyard"
-REAPER_INTERVAL_SECONDS = 0.5
-METRICS_INTERVAL_SECONDS = 5.0
-METRICS_HISTORY = 720  # one hour at 5 s
-IDEMPOTENCY_KEYS_KEPT = 10_000
 #: Parallel restores of a fork: each is a runsc (or VMM) start plus a CPU-bound state load, so
 #: two per core keep the cores busy while one waits on I/O; more only queue.
 FORK_PARALLELISM = max(2, 2 * (os.cpu_count() or 1))
@@ -137,36 +167,13 @@ class CreateRequest:
     metadata: dict[str, str]
     envs: dict[str, str]
     secure: bool
-    allow_internet_access: bool | None
+    #: ``allowInternetAccess`` and ``network`` (allowOut/denyOut as enforced, maskRequestHost, dnsServers).
+    network: NetworkPolicy = dataclasses.field(default_factory=NetworkPolicy)
     auto_pause: bool = False
     #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
     auto_pause_memory: bool = True
     auto_resume: bool = False
     allow_public_traffic: bool = True
-    network: dict[str, object] | None = None
-    #: ``network.allowOut``/``denyOut`` as enforced (None: the defaults only).
-    egress: EgressPolicy | None = None
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the proxy sends a sandbox's traffic."""
-
-    sandbox_id: str
-    address: str
-    envd_url: str
-    traffic_access_token: str | None
-    #: ``network.maskRequestHost``: the Host the sandbox sees (``${PORT}`` expanded by the proxy).
-    mask_request_host: str | None = None
-    #: envd's token (secure sandboxes): a signed file URL without routing headers is routed to
-    #: the sandbox whose token signs it (the SDK's ``download_url`` with ``E2B_SANDBOX_URL``).
-    envd_access_token: str | None = None
-
-
-@dataclass(frozen=True)
-class MetricSample:
-    at: dt.datetime
-    metrics: SandboxMetrics
 
 
 @dataclass(frozen=True)
@@ -206,10 +213,6 @@ def conflict(rec: SandboxRecord, op: str) -> Conflict:
     if STARTS_FROM[op] == {S.RUNNING}:
         return Conflict(f"sandbox {rec.sandbox_id} is {rec.state}, not running")
     return Conflict(f"cannot {op.replace('_', ' ')} sandbox {rec.sandbox_id}: it is {rec.state}")
-
-
-def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def failure(exc: BaseException, what: str) -> BaseException:
@@ -256,6 +259,7 @@ class Orchestrator:
         envd: EnvdClient,
         logs: SandboxLogs,
         telemetry: Telemetry,
+        template_owner: TemplateOwner,
     ) -> None:
         self.settings = settings
         self.runtimes = runtimes
@@ -267,22 +271,39 @@ class Orchestrator:
         self.envd = envd
         self.logs = logs
         self.telemetry = telemetry
+        #: Template builds and deletes (of templates and of user snapshots: one namespace in E2B).
+        self.template_owner = template_owner
         self._locks: dict[str, asyncio.Lock] = {}
-        self._routes: dict[str, Route] = {}
-        #: Per running sandbox, the task waiting for its processes to die (:meth:`_watch`).
-        self._watchers: dict[str, asyncio.Task[None]] = {}
-        #: The runtime's wait behind each watcher (its result: why the sandbox died, or None).
-        self._exits: dict[str, asyncio.Task[str | None]] = {}
-        #: Called with a sandbox's id when it stops being reachable (kill, pause, death,
-        #: snapshot): the API layer ends the streams its proxy has open to it.
-        self._detach_listeners: list[Callable[[str], None]] = []
         #: Counting the node's sandboxes and inserting a new one are one step (``max_sandboxes``).
         self._admission = asyncio.Lock()
-        self._metrics: dict[str, list[MetricSample]] = {}
-        self._idempotency: dict[str, str] = {}
-        self._reaper: asyncio.Task[None] | None = None
-        #: Frozen sandboxes whose move to disk is under way.
-        self._moving: set[str] = set()
+        # The jobs beside the transitions, each with its own state; they report back through
+        # the callbacks handed to them, and every transition they ask for runs here.
+        #: Where each reachable sandbox's traffic goes; the API subscribes to its removals
+        #: (kill, pause, death, snapshot) to end the streams its proxy has open.
+        self.route_table = RouteTable()
+        self.deaths = DeathWatch(on_death=self._died)
+        self.metrics_history = MetricsHistory()
+        self.idempotency = IdempotencyCache()
+        self.reaper = Reaper(
+            store,
+            FrozenTierPolicy(settings, background, move_to_disk=self._move_to_disk),
+            expire=self._expire,
+            sample=self._sample,
+        )
+        self.recovery = Recovery(
+            store,
+            catalog,
+            runtimes,
+            RecoveryActions(
+                is_alive=self._is_alive,
+                reattach=self._attach,
+                revive=self._revive,
+                destroy=self._destroy_found_dead,
+                refreeze=self._freeze,
+                set_tier=self._set_tier,
+                watch=self._watch,
+            ),
+        )
 
     # -- start-up and shut-down ----------------------------------------------------------------
 
@@ -291,85 +312,31 @@ class Orchestrator:
         await self.catalog.open(self.store.db)
         # Before recovery: sandboxes that outlived the last run may have domain rules to serve.
         await network.resume_egress_proxy(self.settings)
-        await self._recover()
-        paused = {r.sandbox_id: r.pause_snapshot or "" for r in await self.store.in_states((S.PAUSED,))}
-        removed = await self.catalog.sweep(paused)
-        if removed:
-            log.info("snapshot recovery removed %s", ", ".join(removed))
-        await self.catalog.collect_garbage(self.runtimes)
+        await self.recovery.run()
         await self.template_snapshots.warm_up()
-        self._reaper = asyncio.create_task(self._reap_forever(), name="forkyard-reaper")
+        self.reaper.start()
 
     async def close(self) -> None:
         """Stop background work and kill pooled sandboxes. Sandboxes with a record keep running:
         a restarted server re-attaches them."""
         await self.template_snapshots.close()
         await self.standbys.close()
-        if self._reaper:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        for sandbox_id in list(self._watchers):  # the sandboxes run on; a restart re-watches
-            self._unwatch(sandbox_id)
+        await self.reaper.close()
+        self.deaths.close()  # the sandboxes run on; a restart watches them again
         await self.background.drain(CLOSE_GRACE_SECONDS)
+        await self.template_owner.close()  # its builder's envd client
         for runtime in self.runtimes:  # what runtimes keep ahead of demand (QEMU spares)
             await runtime.stop_prestarted()
         await self.envd.close()
         await egress_proxy.stop()
         await self.store.close()
 
-    async def _recover(self) -> None:
-        """Re-attach sandboxes that survived a server restart, revive a fork's parent a crash
-        left stopped, clean up the rest; then have each runtime remove what no record names."""
-        for rec in await self.store.in_states(LIVE_STATES):
-            if rec.state == S.RUNNING and await self._is_alive(rec):
-                self._attach(rec)
-                log.info("recovery: re-attached running sandbox %s", rec.sandbox_id)
-            elif rec.state == S.RUNNING and await self._revive(rec):
-                log.info("recovery: revived sandbox %s from its fork checkpoint", rec.sandbox_id)
-            else:
-                log.info("recovery: sandbox %s (%s) is gone; cleaning up", rec.sandbox_id, rec.state)
-                with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
-                    await self._destroy(
-                        rec, reason=f"server restart found it {rec.state} but not alive", release_now=True
-                    )
-        for rec in await self.store.in_states((S.PAUSED,)):
-            await self._recover_paused(rec)
-        keep = {r.sandbox_id for r in await self.store.in_states((S.RUNNING, S.PAUSED, S.PAUSING))}
-        for runtime in self.runtimes:
-            try:
-                removed = await runtime.cleanup_orphans(keep)
-            except Exception:
-                log.exception("recovery: %s cleanup_orphans failed", runtime.name)
-                continue
-            if removed:
-                log.info("recovery: %s removed leaked sandboxes %s", runtime.name, ", ".join(removed))
+    async def _destroy_found_dead(self, rec: SandboxRecord, reason: str) -> None:
+        with contextlib.suppress(Failed):  # logged; stays "killing", retried next start
+            await self._destroy(rec, reason=reason, release_now=True)
 
-    async def _recover_paused(self, rec: SandboxRecord) -> None:
-        """A frozen sandbox outlives the server (its processes stay, frozen); one a crash caught
-        moving to disk is frozen again if it still runs, or takes the pause snapshot that
-        checkpoint committed; one whose processes are gone (a host reboot) is lost."""
-        if rec.pause_tier in ("disk", "filesystem"):  # nothing of it runs; its disk is kept
-            return
-        alive = await self._is_alive(rec)
-        if alive and rec.pause_tier == "frozen":
-            log.info("recovery: paused sandbox %s is still frozen in place", rec.sandbox_id)
-            self._watch(rec)
-            return
-        if alive and await self._freeze(rec):  # a move to disk was cut short: it runs, thawed
-            rec.pause_tier = "frozen"
-            await self.store.save(rec)
-            self._watch(rec)
-            log.info("recovery: paused sandbox %s frozen again in place", rec.sandbox_id)
-            return
-        committed = await self.catalog.rows("pause", source=rec.sandbox_id)
-        if committed:
-            rec.pause_snapshot, rec.pause_tier = committed[0].snapshot_id, "disk"
-            await self.store.save(rec)
-            log.info("recovery: paused sandbox %s is on disk (%s)", rec.sandbox_id, rec.pause_snapshot)
-            return
-        with contextlib.suppress(Failed):
-            await self._destroy(rec, reason="server restart found the frozen sandbox gone", release_now=True)
+    async def _set_tier(self, rec: SandboxRecord, tier: PauseTier) -> None:
+        await self._enter(rec, S.PAUSED, tier=tier)
 
     async def _is_alive(self, rec: SandboxRecord) -> bool:
         if rec.instance is None:
@@ -409,10 +376,21 @@ class Orchestrator:
                 raise conflict(rec, op)
             yield rec
 
-    async def _enter(self, rec: SandboxRecord, state: SandboxState) -> None:
-        """Record ``rec``'s move to ``state`` and persist it (the caller holds the lock)."""
+    async def _enter(
+        self, rec: SandboxRecord, state: SandboxState, *, tier: PauseTier | _Keep | None = KEEP_TIER
+    ) -> None:
+        """Record ``rec``'s move to ``state`` (and pause ``tier``, unless kept) and persist it:
+        the one gate of every state and tier change (the caller holds the lock)."""
         if state != rec.state and state not in EDGES[rec.state]:
             raise Failed(f"sandbox {rec.sandbox_id}: no transition from {rec.state} to {state}")
+        if not isinstance(tier, _Keep) and tier != rec.pause_tier:
+            if tier not in TIER_EDGES[rec.pause_tier]:
+                raise Failed(
+                    f"sandbox {rec.sandbox_id}: no pause tier change from {rec.pause_tier} to {tier}"
+                )
+            if tier is not None and state != S.PAUSED:
+                raise Failed(f"sandbox {rec.sandbox_id}: a pause tier ({tier}) outside paused ({state})")
+            rec.pause_tier = tier
         rec.state = state
         await self.store.save(rec)
 
@@ -422,69 +400,38 @@ class Orchestrator:
     def _attach(self, rec: SandboxRecord) -> None:
         """Make a running sandbox reachable through the proxy."""
         assert rec.instance is not None
-        self._routes[rec.sandbox_id] = Route(
-            sandbox_id=rec.sandbox_id,
-            address=rec.instance.address,
-            envd_url=rec.instance.envd_url,
-            traffic_access_token=rec.traffic_access_token,
-            envd_access_token=rec.envd_access_token,
-            mask_request_host=_str_or_none(rec.network.get("maskRequestHost")),
+        self.route_table.add(
+            Route(
+                sandbox_id=rec.sandbox_id,
+                address=rec.instance.address,
+                envd_url=rec.instance.envd_url,
+                traffic_access_token=rec.traffic_access_token,
+                envd_access_token=rec.envd_access_token,
+                mask_request_host=rec.network.mask_request_host,
+            )
         )
         self._watch(rec)
 
     def _detach(self, sandbox_id: str) -> None:
-        self._routes.pop(sandbox_id, None)
-        self._metrics.pop(sandbox_id, None)
-        self._unwatch(sandbox_id)
-        for listener in self._detach_listeners:
-            try:
-                listener(sandbox_id)
-            except Exception:
-                log.exception("detach listener failed for %s", sandbox_id)
-
-    def add_detach_listener(self, listener: Callable[[str], None]) -> None:
-        """Have ``listener(sandbox_id)`` called whenever a sandbox stops being reachable."""
-        self._detach_listeners.append(listener)
+        """The sandbox stops being reachable: no route, no metrics, no death watch (what stops
+        it now is an operation of ours), and the route table's subscribers hear of it."""
+        self.metrics_history.forget(sandbox_id)
+        self.deaths.unwatch(sandbox_id)
+        self.route_table.remove(sandbox_id)
 
     # -- dead-sandbox detection ----------------------------------------------------------------
-
-    def _unwatch(self, sandbox_id: str) -> None:
-        watcher = self._watchers.pop(sandbox_id, None)
-        if watcher is not None and watcher is not asyncio.current_task():
-            watcher.cancel()  # what stops the sandbox now is an operation of ours
-        exit_wait = self._exits.pop(sandbox_id, None)
-        if exit_wait is not None:
-            exit_wait.cancel()
 
     def _watch(self, rec: SandboxRecord) -> None:
         """Wait (a pidfd or the like, not polling) for the processes of a running or frozen
         sandbox to die. Every operation that stops it on purpose unwatches it first."""
         assert rec.instance is not None
-        self._unwatch(rec.sandbox_id)
-        exit_wait = asyncio.create_task(self._runtime(rec).wait_exit(rec.instance))
-        self._exits[rec.sandbox_id] = exit_wait
-        self._watchers[rec.sandbox_id] = asyncio.create_task(
-            self._await_death(rec.sandbox_id, rec.instance, exit_wait), name=f"watch-{rec.sandbox_id}"
-        )
-
-    async def _await_death(
-        self, sandbox_id: str, instance: SandboxInstance, exit_wait: asyncio.Task[str | None]
-    ) -> None:
-        try:
-            reason = await exit_wait
-        except Exception as exc:  # cannot watch: the sandbox is found dead on its next use
-            log.warning("cannot watch sandbox %s for its death: %s", sandbox_id, exc)
-            return
-        if reason is not None:
-            await self._died(sandbox_id, instance, reason)
+        self.deaths.watch(rec.sandbox_id, self._runtime(rec), rec.instance)
 
     async def _died(self, sandbox_id: str, instance: SandboxInstance, reason: str) -> None:
         """Record a death nobody asked for: killed with the reason in its logs, its network and
         disk freed (``_destroy``); the API then reports it gone, as E2B does (404)."""
         async with self._lock(sandbox_id):
-            if self._watchers.get(sandbox_id) is asyncio.current_task():
-                del self._watchers[sandbox_id]
-                self._exits.pop(sandbox_id, None)
+            self.deaths.reported(sandbox_id)
             rec = await self.store.get(sandbox_id)
             frozen = rec is not None and rec.state == S.PAUSED and rec.pause_tier == "frozen"
             if rec is None or not (rec.state == S.RUNNING or frozen) or rec.instance != instance:
@@ -495,11 +442,11 @@ class Orchestrator:
                 await self._destroy(rec, reason=f"its processes died ({reason})")
 
     def route(self, sandbox_id: str) -> Route | None:
-        return self._routes.get(sandbox_id)
+        return self.route_table.get(sandbox_id)
 
     def routes(self) -> list[Route]:
         """The routes of every reachable sandbox."""
-        return list(self._routes.values())
+        return self.route_table.all()
 
     @staticmethod
     def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
@@ -507,9 +454,9 @@ class Orchestrator:
             sandbox_id=rec.sandbox_id,
             template=image,
             envs=rec.envs,
-            allow_internet_access=rec.allow_internet_access is not False,
+            allow_internet_access=rec.network.internet,
             envd_access_token=rec.envd_access_token,
-            egress=rec.egress,
+            egress=rec.network.egress,
         )
 
     # -- bringing a sandbox up: create, restore, claim, fork child -----------------------------
@@ -517,15 +464,13 @@ class Orchestrator:
     async def create(self, req: CreateRequest, idempotency_key: str | None = None) -> SandboxRecord:
         """Create a sandbox from a template or a user snapshot (``templateID`` names either).
         Runs shielded: a client that disconnects mid-way does not leave a half-made sandbox."""
-        if idempotency_key and idempotency_key in self._idempotency:
-            existing = await self.store.get(self._idempotency[idempotency_key])
+        earlier = self.idempotency.sandbox_for(idempotency_key)
+        if earlier is not None:
+            existing = await self.store.get(earlier)
             if existing and existing.state != S.KILLED:
                 return existing
         rec = await asyncio.shield(self.background.spawn(self._create(req)))
-        if idempotency_key:
-            self._idempotency[idempotency_key] = rec.sandbox_id
-            while len(self._idempotency) > IDEMPOTENCY_KEYS_KEPT:  # oldest first (dict order)
-                self._idempotency.pop(next(iter(self._idempotency)))
+        self.idempotency.remember(idempotency_key, rec.sandbox_id)
         return rec
 
     async def _create(self, req: CreateRequest) -> SandboxRecord:
@@ -559,7 +504,7 @@ class Orchestrator:
         """Claim a warm-pool sandbox, else restore the template's snapshot; None (boot instead)
         when the snapshot does not restore. Pooled sandboxes have internet access."""
         template_id = snap.image.template_id
-        instance = self.template_snapshots.claim(snap) if req.allow_internet_access is not False else None
+        instance = self.template_snapshots.claim(snap) if req.network.internet else None
         if instance is not None:
             rec = self._from_snapshot_record(snap.row, instance.sandbox_id, req, template_id, "warm_pool")
             try:
@@ -578,7 +523,7 @@ class Orchestrator:
 
     async def _from_user_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
         """Claim a standby of the snapshot, else restore it. Standbys have internet access."""
-        instance = await self.standbys.claim(row) if req.allow_internet_access is not False else None
+        instance = await self.standbys.claim(row) if req.network.internet else None
         if instance is not None:
             rec = self._from_snapshot_record(row, instance.sandbox_id, req, None, "standby")
             image = SnapshotMeta.of(row).image(row.template_id)
@@ -648,7 +593,7 @@ class Orchestrator:
             await self.store.insert(rec)
             return
         async with self._admission:
-            held = len(await self.store.in_states((S.CREATING, S.RUNNING, S.RESUMING)))
+            held = len(await self.store.in_states(ADMITTED_STATES))
             if held >= cap:
                 if isinstance(source, Claim):  # taken from a pool: nothing else will stop it
                     with contextlib.suppress(Exception):
@@ -719,12 +664,10 @@ class Orchestrator:
             envs=dict(envs if envs is not None else req.envs),
             envd_access_token=envd_access_token or (new_access_token() if req.secure else None),
             traffic_access_token=None if req.allow_public_traffic else new_access_token(),
-            allow_internet_access=req.allow_internet_access,
             auto_pause=req.auto_pause,
             auto_pause_memory=req.auto_pause_memory,
             auto_resume=req.auto_resume,
-            network=dict(req.network or {}),
-            egress=req.egress,
+            network=req.network,
             origin=origin,
             restored_from=restored_from,
             memory_base=restored_from,
@@ -777,19 +720,11 @@ class Orchestrator:
         rec = await self.get(sandbox_id)
         if rec.state == S.RUNNING:
             await self._sample(rec)
-        return list(self._metrics.get(sandbox_id, []))
+        return self.metrics_history.of(sandbox_id)
 
     async def _sample(self, rec: SandboxRecord) -> None:
-        if rec.instance is None:
-            return
-        try:
-            m = await self._runtime(rec).metrics(rec.instance)
-        except Exception as exc:  # a sandbox mid-transition has no metrics: skip this sample
-            log.debug("metrics of %s failed: %s", rec.sandbox_id, exc)
-            return
-        history = self._metrics.setdefault(rec.sandbox_id, [])
-        history.append(MetricSample(utcnow(), m))
-        del history[:-METRICS_HISTORY]
+        if rec.instance is not None:
+            await self.metrics_history.sample(rec.sandbox_id, self._runtime(rec), rec.instance)
 
     # -- kill and timeouts ---------------------------------------------------------------------
 
@@ -805,10 +740,10 @@ class Orchestrator:
         (At start-up recovery needs nothing extra: a killed row is not re-attached, and
         ``cleanup_orphans`` removes what no live row names.)"""
         reaped = []
-        for sandbox_id in list(self._routes):
+        for sandbox_id in self.route_table.ids():
             async with self._lock(sandbox_id):  # an operation under way finishes first
                 rec = await self.store.get(sandbox_id)
-                if rec is None or rec.state != S.KILLED or sandbox_id not in self._routes:
+                if rec is None or rec.state != S.KILLED or sandbox_id not in self.route_table:
                     continue
                 self._detach(sandbox_id)
                 instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
@@ -821,7 +756,7 @@ class Orchestrator:
 
     async def node_metrics(self) -> bytes:
         """The node's metrics in Prometheus' text format (the API's ``/metrics``)."""
-        return self.telemetry.exposition(await self.store.in_states((*LIVE_STATES, S.PAUSED)))
+        return self.telemetry.exposition(await self.store.in_states(HELD_STATES))
 
     async def _destroy(self, rec: SandboxRecord, *, reason: str, release_now: bool = False) -> None:
         """Stop the sandbox, mark it killed, then free what it held (caller holds the lock, or it
@@ -901,11 +836,12 @@ class Orchestrator:
             await self._runtime(rec).update_network(
                 rec.instance, allow_internet_access=allow_internet_access is not False, egress=egress
             )
-            rec.egress = egress if egress.allow_out or egress.deny_out else None
-            rec.allow_internet_access = allow_internet_access
-            rec.network = {k: v for k, v in rec.network.items() if k != "dnsServers"}
-            if dns_servers is not None:
-                rec.network["dnsServers"] = list(dns_servers)
+            rec.network = dataclasses.replace(
+                rec.network,
+                allow_internet_access=allow_internet_access,
+                egress=egress if egress.allow_out or egress.deny_out else None,
+                dns_servers=tuple(dns_servers) if dns_servers is not None else None,
+            )
             await self.store.save(rec)
             await self.logs.event(
                 sandbox_id,
@@ -916,28 +852,6 @@ class Orchestrator:
                 internet="off" if allow_internet_access is False else "on",
             )
             return rec
-
-    async def _reap_forever(self) -> None:
-        last_metrics = 0.0
-        while True:
-            try:
-                await self._reap_expired()
-                frozen = [r for r in await self.store.in_states((S.PAUSED,)) if r.pause_tier == "frozen"]
-                self._move_frozen_to_disk(frozen)
-                if time.monotonic() - last_metrics >= METRICS_INTERVAL_SECONDS:
-                    last_metrics = time.monotonic()
-                    for rec in await self.store.in_states((S.RUNNING,)):
-                        await self._sample(rec)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("timeout reaper iteration failed")  # the next iteration retries
-            await asyncio.sleep(REAPER_INTERVAL_SECONDS)
-
-    async def _reap_expired(self) -> None:
-        ids = await self.store.expired(utcnow())
-        if ids:
-            await asyncio.gather(*(self._expire(i) for i in ids))
 
     async def _expire(self, sandbox_id: str) -> None:
         try:
@@ -990,13 +904,18 @@ class Orchestrator:
         sandbox whose envd does not answer is not paused (E2B requires a responding guest)."""
         assert rec.instance is not None
         runtime = self._runtime(rec)
+        if Capability.FILESYSTEM_PAUSE not in runtime.capabilities:  # the microVM runtimes: 501
+            raise NotSupported(
+                f"pausing sandbox {rec.sandbox_id} (filesystem only) failed: "
+                f"the {runtime.name} runtime has no filesystem-only pause"
+            )
         await self.envd.fsfreeze(rec.instance, rec.envd_access_token)  # Unavailable: still running
         self._detach(rec.sandbox_id)
         await self._enter(rec, S.PAUSING)
         started = time.monotonic()
         try:
             rec.instance = await runtime.stop_keep_disk(rec.instance)
-        except Exception as exc:  # NotSupported (a microVM runtime) stopped nothing
+        except Exception as exc:
             await self._after_failed_snapshot(rec, exc)  # running again if it survived
             if rec.state == S.RUNNING:
                 try:
@@ -1010,7 +929,7 @@ class Orchestrator:
         """The resume of a filesystem-only pause: a fresh boot (new kernel, new boot id, no
         processes) from the template the sandbox's disk stands on, then ``/init``."""
         assert rec.instance is not None
-        rootfs = rec.instance.state.get("template_rootfs")  # what the kept disk stands on
+        rootfs = rec.instance.template_rootfs  # what the kept disk stands on
         image = (
             TemplateImage(
                 template_id=rec.template_id,
@@ -1030,10 +949,10 @@ class Orchestrator:
         """Whether the sandbox is now frozen; False (checkpoint it instead) when the runtime cannot."""
         assert rec.instance is not None
         runtime = self._runtime(rec)
+        if Capability.FREEZE not in runtime.capabilities:
+            return False
         try:
             await runtime.freeze(rec.instance)
-        except NotSupported:
-            return False
         except ForkyardError as exc:
             log.warning("freezing %s failed (%s); checkpointing it instead", rec.sandbox_id, exc)
             try:
@@ -1044,9 +963,8 @@ class Orchestrator:
         return True
 
     async def _paused(self, rec: SandboxRecord, tier: PauseTier, started: float) -> None:
-        rec.pause_tier = tier
         rec.paused_at = utcnow()
-        await self._enter(rec, S.PAUSED)
+        await self._enter(rec, S.PAUSED, tier=tier)
         if tier == "frozen":  # its processes live on, frozen: their death loses its memory
             self._watch(rec)
         self.telemetry.observe("pause", tier, time.monotonic() - started)
@@ -1094,10 +1012,9 @@ class Orchestrator:
             await self._destroy(rec, reason=f"resume failed: {exc}")
             raise_failure(exc, f"resuming sandbox {rec.sandbox_id}")
         rec.pause_snapshot = None
-        rec.pause_tier = None
         rec.paused_at = None
         rec.end_at = utcnow() + dt.timedelta(seconds=timeout_seconds)
-        await self._enter(rec, S.RUNNING)
+        await self._enter(rec, S.RUNNING, tier=None)
         self._attach(rec)
         self.telemetry.observe("resume", str(tier), time.monotonic() - started)
         await self.logs.event(
@@ -1120,7 +1037,7 @@ class Orchestrator:
         assert rec.instance is not None
         # Watched since the pause (or recovery): the wait holds the process already, which a
         # wait started now could not, the process being gone by the time it looked.
-        death = self._exits.get(rec.sandbox_id)
+        death = self.deaths.exit_wait(rec.sandbox_id)
         await self._runtime(rec).thaw(rec.instance)
         # No restore since its last /init and envd's watches ran until the freeze: nothing to revalidate.
         init = asyncio.ensure_future(
@@ -1138,39 +1055,17 @@ class Orchestrator:
 
     # -- moving frozen sandboxes to disk -------------------------------------------------------
 
-    def _move_frozen_to_disk(self, frozen: list[SandboxRecord]) -> None:
-        """The policy of the frozen tier, run by the reaper: a sandbox frozen longer than
-        ``pause_disk_after_seconds`` goes to disk; while the node is short of memory, so does the
-        longest-frozen one (one at a time: each checkpoint frees its memory before the next)."""
-        now = utcnow()
-        idle = dt.timedelta(seconds=self.settings.pause_disk_after_seconds)
-        for rec in frozen:
-            if rec.paused_at is not None and now - rec.paused_at >= idle:
-                self._start_move(rec.sandbox_id, "frozen for longer than pause_disk_after_seconds")
-        available_mib = psutil.virtual_memory().available >> 20
-        if frozen and available_mib < self.settings.pause_min_available_mib and not self._moving:
-            oldest = min(frozen, key=lambda r: r.paused_at or now)
-            self._start_move(oldest.sandbox_id, f"node memory short ({available_mib} MiB available)")
-
-    def _start_move(self, sandbox_id: str, reason: str) -> None:
-        if sandbox_id in self._moving:
-            return
-        self._moving.add(sandbox_id)
-        task = self.background.spawn(self._move_to_disk(sandbox_id, reason), name=f"to-disk-{sandbox_id}")
-        task.add_done_callback(lambda _: self._moving.discard(sandbox_id))
-
     async def _move_to_disk(self, sandbox_id: str, reason: str) -> None:
         """Checkpoint a frozen sandbox and free its memory; it stays paused (on disk). The record
-        says ``moving`` meanwhile, so a crash half-way is recovered (:meth:`_recover_paused`)."""
+        says ``moving`` meanwhile, so a crash half-way is recovered (``Recovery``)."""
         try:
             async with self._operate(sandbox_id, "move_to_disk") as rec:
                 if rec.pause_tier != "frozen":
                     return
                 assert rec.instance is not None
                 started = time.monotonic()
-                rec.pause_tier = "moving"
-                await self.store.save(rec)
-                self._unwatch(sandbox_id)  # the checkpoint stops it on purpose
+                await self._enter(rec, S.PAUSED, tier="moving")
+                self.deaths.unwatch(sandbox_id)  # the checkpoint stops it on purpose
                 runtime = self._runtime(rec)
                 await runtime.thaw(rec.instance)  # a checkpoint needs a running sandbox
                 try:
@@ -1179,8 +1074,7 @@ class Orchestrator:
                     await self._stay_frozen(rec, exc)
                     return
                 rec.pause_snapshot = row.snapshot_id
-                rec.pause_tier = "disk"
-                await self.store.save(rec)
+                await self._enter(rec, S.PAUSED, tier="disk")
                 self.telemetry.observe("move_to_disk", "disk", time.monotonic() - started)
                 await self.logs.event(
                     sandbox_id,
@@ -1197,8 +1091,7 @@ class Orchestrator:
         assert rec.instance is not None
         log.warning("moving paused sandbox %s to disk failed: %s", rec.sandbox_id, exc)
         if await self._is_alive(rec) and await self._freeze(rec):
-            rec.pause_tier = "frozen"
-            await self.store.save(rec)
+            await self._enter(rec, S.PAUSED, tier="frozen")
             self._watch(rec)
             return
         await self._destroy(
@@ -1237,7 +1130,7 @@ class Orchestrator:
         """Snapshot ``rec`` (caller holds its lock), commit it and add its row."""
         assert rec.instance is not None
         meta = SnapshotMeta(
-            template_rootfs=rec.instance.state.get("template_rootfs"),
+            template_rootfs=rec.instance.template_rootfs,
             cpu_count=rec.cpu_count,
             memory_mb=rec.memory_mb,
             disk_mb=rec.disk_mb,
@@ -1294,12 +1187,7 @@ class Orchestrator:
         return rows
 
     async def delete_snapshot(self, name_or_id: str) -> None:
-        row = await self.catalog.find_user_snapshot(name_or_id)
-        if row is None:
-            raise NotFound(f"template '{name_or_id}' not found")
-        await self.standbys.forget(row.snapshot_id)
-        await self.catalog.delete(row.snapshot_id)
-        await self.catalog.collect_garbage(self.runtimes)
+        await self.template_owner.delete_snapshot(name_or_id)
 
     # -- rollback (our extension: POST /sandboxes/{id}/rollback) --------------------------------
 
@@ -1352,7 +1240,7 @@ class Orchestrator:
                 f"snapshot {row.snapshot_id} is of the {row.runtime} runtime, "
                 f"sandbox {rec.sandbox_id} of {rec.runtime}"
             )
-        if meta.template_rootfs != rec.instance.state.get("template_rootfs"):
+        if meta.template_rootfs != rec.instance.template_rootfs:
             raise Invalid(
                 f"snapshot {row.snapshot_id} was taken of a sandbox on another template than "
                 f"sandbox {rec.sandbox_id}'s ({rec.template_id})"
@@ -1426,10 +1314,8 @@ class Orchestrator:
             metadata=dict(parent.metadata),
             envs={},
             secure=parent.envd_access_token is not None,
-            allow_internet_access=parent.allow_internet_access,
             allow_public_traffic=parent.traffic_access_token is None,
-            network=dict(parent.network or {}),
-            egress=parent.egress,
+            network=parent.network,
         )
         async with gate:
             try:
@@ -1466,15 +1352,25 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
         templates_dir=settings.templates_dir,
     )
     envd = EnvdClient()
+    template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd)
+    standbys = Standbys(settings, catalog, runtimes, envd)
     return Orchestrator(
         settings,
         runtimes=runtimes,
         store=store,
         catalog=catalog,
-        template_snapshots=TemplateSnapshots(settings, catalog, runtimes, background, envd),
-        standbys=Standbys(settings, catalog, runtimes, envd),
+        template_snapshots=template_snapshots,
+        standbys=standbys,
         background=background,
         envd=envd,
         logs=SandboxLogs(store, settings.data_dir / "sandboxes"),
         telemetry=Telemetry(settings.data_dir),
+        template_owner=TemplateOwner(
+            settings,
+            catalog=catalog,
+            runtimes=runtimes,
+            template_snapshots=template_snapshots,
+            standbys=standbys,
+            background=background,
+        ),
     )

@@ -38,18 +38,7 @@ from sqlalchemy import (
 from forkyard.config import Settings
 from forkyard.storage.db import Registry, open_registry_at
 from forkyard.storage.db.schema import sandbox_logs, sandboxes
-from forkyard.types import EgressPolicy, SandboxInstance, SandboxState
-
-#: States in which a record still owns host resources (recovery re-attaches or cleans them).
-LIVE_STATES = (
-    SandboxState.CREATING,
-    SandboxState.RUNNING,
-    SandboxState.PAUSING,
-    SandboxState.RESUMING,
-    SandboxState.KILLING,
-)
-#: States the API lists.
-LISTED_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+from forkyard.types import LISTED_STATES, EgressPolicy, SandboxInstance, SandboxState
 
 #: How a sandbox came to be: booted from its template, restored from the template's snapshot,
 #: claimed from the warm pool, restored from a user snapshot or claimed from its standbys, or
@@ -71,6 +60,27 @@ def _dt(value: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(value, dt.UTC)
 
 
+@dataclass(frozen=True)
+class NetworkPolicy:
+    """A sandbox's network policy as its create (and ``PUT /sandboxes/{id}/network``) set it.
+
+    Stored in the record's columns as before it was typed (``allow_internet_access``, ``egress``
+    and ``network`` holding E2B's camelCase keys), so records of either version read back."""
+
+    #: ``allowInternetAccess`` as asked (None: not said, which allows it).
+    allow_internet_access: bool | None = None
+    #: ``network.allowOut``/``denyOut`` as enforced (None: the defaults only).
+    egress: EgressPolicy | None = None
+    #: ``network.maskRequestHost``: the Host the sandbox sees (``${PORT}`` expanded by the proxy).
+    mask_request_host: str | None = None
+    #: ``network.dnsServers`` (None: not set).
+    dns_servers: tuple[str, ...] | None = None
+
+    @property
+    def internet(self) -> bool:
+        return self.allow_internet_access is not False
+
+
 @dataclass
 class SandboxRecord:
     sandbox_id: str
@@ -90,12 +100,13 @@ class SandboxRecord:
     instance: SandboxInstance | None = None
     envd_access_token: str | None = None
     traffic_access_token: str | None = None
-    allow_internet_access: bool | None = None
     auto_pause: bool = False
     #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
     auto_pause_memory: bool = True
     auto_resume: bool = False
-    network: dict[str, Any] = field(default_factory=dict)
+    #: Its network policy (E2B's ``allowInternetAccess`` and ``network``; ``allowPublicTraffic`` is
+    #: ``traffic_access_token``): every restore (resume from disk, a restart) re-applies it.
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)
     origin: Origin = "boot"
     #: The snapshot this sandbox was restored from (user snapshot, template snapshot, fork).
     restored_from: str | None = None
@@ -109,9 +120,6 @@ class SandboxRecord:
     memory_base: str | None = None
     #: Bytes of each runtime log file already moved into the sandbox's logs.
     log_offsets: dict[str, int] = field(default_factory=dict)
-    #: Outbound rules beyond the defaults (``network.allowOut``/``denyOut``, as enforced; None:
-    #: the defaults). Kept here so that every restore (resume from disk, a restart) re-applies them.
-    egress: EgressPolicy | None = None
     seq: int = 0
 
 
@@ -136,11 +144,11 @@ def _to_row(rec: SandboxRecord) -> dict[str, Any]:
         "envd_access_token": rec.envd_access_token,
         "traffic_access_token": rec.traffic_access_token,
         "allow_internet_access": None
-        if rec.allow_internet_access is None
-        else int(rec.allow_internet_access),
+        if rec.network.allow_internet_access is None
+        else int(rec.network.allow_internet_access),
         "auto_pause": int(rec.auto_pause),
         "auto_resume": int(rec.auto_resume),
-        "network": json.dumps(rec.network),
+        "network": json.dumps(_network_extras(rec.network)),
         "origin": rec.origin,
         "restored_from": rec.restored_from,
         "pause_snapshot": rec.pause_snapshot,
@@ -148,7 +156,7 @@ def _to_row(rec: SandboxRecord) -> dict[str, Any]:
         "paused_at": _ts(rec.paused_at) if rec.paused_at else None,
         "memory_base": rec.memory_base,
         "log_offsets": json.dumps(rec.log_offsets),
-        "egress": json.dumps(asdict(rec.egress)) if rec.egress else None,
+        "egress": json.dumps(asdict(rec.network.egress)) if rec.network.egress else None,
         "auto_pause_memory": int(rec.auto_pause_memory),
     }
 
@@ -175,10 +183,9 @@ def _from_row(row: RowMapping) -> SandboxRecord:
         envd_version=row["envd_version"],
         envd_access_token=row["envd_access_token"],
         traffic_access_token=row["traffic_access_token"],
-        allow_internet_access=None if aia is None else bool(aia),
+        network=_network(aia, row["network"], row["egress"]),
         auto_pause=bool(row["auto_pause"]),
         auto_resume=bool(row["auto_resume"]),
-        network=json.loads(row["network"]),
         origin=cast(Origin, row["origin"]),
         restored_from=row["restored_from"],
         pause_snapshot=row["pause_snapshot"],
@@ -186,8 +193,30 @@ def _from_row(row: RowMapping) -> SandboxRecord:
         paused_at=_dt(row["paused_at"]) if row["paused_at"] is not None else None,
         memory_base=row["memory_base"],
         log_offsets=json.loads(row["log_offsets"]),
-        egress=_egress(row["egress"]),
         auto_pause_memory=bool(row["auto_pause_memory"]),
+    )
+
+
+def _network_extras(policy: NetworkPolicy) -> dict[str, object]:
+    """The ``network`` column: E2B's keys of what the policy holds besides its other columns."""
+    extras: dict[str, object] = {}
+    if policy.mask_request_host is not None:
+        extras["maskRequestHost"] = policy.mask_request_host
+    if policy.dns_servers is not None:
+        extras["dnsServers"] = list(policy.dns_servers)
+    return extras
+
+
+def _network(
+    allow_internet_access: int | None, extras_raw: str | None, egress_raw: str | None
+) -> NetworkPolicy:
+    extras = json.loads(extras_raw) if extras_raw else {}
+    mask, dns = extras.get("maskRequestHost"), extras.get("dnsServers")
+    return NetworkPolicy(
+        allow_internet_access=None if allow_internet_access is None else bool(allow_internet_access),
+        egress=_egress(egress_raw),
+        mask_request_host=str(mask) if mask is not None else None,
+        dns_servers=tuple(str(d) for d in dns) if isinstance(dns, list) else None,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import enum
 import time
 import urllib.parse
 from pathlib import Path
@@ -29,10 +30,26 @@ from forkyard.types import (
 )
 
 
+class Capability(enum.StrEnum):
+    """What a runtime can do beyond the interface every runtime implements. Callers ask
+    :attr:`Runtime.capabilities` instead of calling and catching ``NotSupported``."""
+
+    #: :meth:`Runtime.freeze` / :meth:`Runtime.thaw`: the frozen pause tier.
+    FREEZE = "freeze"
+    #: :meth:`Runtime.stop_keep_disk` / :meth:`Runtime.boot_kept_disk`: E2B's filesystem-only pause.
+    FILESYSTEM_PAUSE = "filesystem_pause"
+    #: :meth:`Runtime.export_root`: template builds.
+    EXPORT_ROOT = "export_root"
+    #: :meth:`Runtime.root_layers`: a template build's step cache.
+    ROOT_LAYERS = "root_layers"
+
+
 class Runtime(abc.ABC):
     """A way to run isolated sandboxes on this node."""
 
     name: ClassVar[RuntimeName]
+    #: The optional operations this runtime implements (the others raise ``NotSupported``).
+    capabilities: frozenset[Capability] = frozenset()
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -41,6 +58,11 @@ class Runtime(abc.ABC):
     def probe(self) -> str | None:
         """None when this runtime can run here with the settings it was built with, else the
         reason it cannot (shown to users)."""
+
+    @abc.abstractmethod
+    def platform(self) -> str:
+        """How the runtime isolates, for operators (``GET /node``): runsc's platform, QEMU's
+        accelerator, Firecracker's KVM or PVM."""
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> SandboxInstance:
@@ -91,8 +113,8 @@ class Runtime(abc.ABC):
     ) -> None:
         """Replace a running sandbox's outbound policy in place (``network.update_egress``).
         Every runtime keeps its :class:`~forkyard.runtime.network.SandboxNetwork` in
-        ``instance.state["network"]``; one that keeps none cannot."""
-        state = instance.state.get("network")
+        ``instance.network_state``; one that keeps none cannot."""
+        state = instance.network_state
         if not state:  # a 409 (the endpoint's documented refusal), not a server error
             raise Conflict(f"sandbox {instance.sandbox_id} has no network of its own to update")
         await network.update_egress(

@@ -103,18 +103,8 @@ EGRESS_CHAIN_PREFIX = "AEO-"
 REDIRECT_CHAIN_PREFIX = "AEP-"
 #: Ports whose connections carry a name the egress proxy can check (HTTP Host, TLS SNI), as E2B.
 DOMAIN_PORTS = (egress_proxy.HTTP_PORT, egress_proxy.TLS_PORT)
-#: Resolvers a sandbox with domain rules may query when the request names none: those of the
-#: templates' /etc/resolv.conf (forkyard/storage/templates.py); E2B opens 8.8.8.8.
-DEFAULT_RESOLVERS = ("1.1.1.1", "8.8.8.8")
-#: E2B's message when ``allowOut`` names domains and ``denyOut`` lacks ``0.0.0.0/0``.
-DOMAINS_NEED_BLOCK_ALL = (
-    "When specifying allowed domains in allow out, you must include 'ALL_TRAFFIC' in deny out "
-    "to block all other traffic."
-)
 #: What a sandbox with internet access may not reach unless its ``allow_out`` names it.
 DEFAULT_DENIED = ("169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
-#: ``allowOut``/``denyOut`` entries per list (each is one rule every new connection walks).
-MAX_POLICY_ENTRIES = 256
 NETNS_DIR = Path("/var/run/netns")
 #: Serialises creation of the shared chains and hooks among all forkyard processes on the host.
 GLOBAL_LOCK = Path("/run/forkyard-net.lock")
@@ -173,60 +163,7 @@ def slot_count(settings: Settings) -> int:
     return int(ipaddress.ip_network(settings.sandbox_subnet).num_addresses // 4)
 
 
-# -- egress policy ------------------------------------------------------------------------------
-
-
-def _network_of(entry: object, field: str) -> str:
-    """``entry`` (an IPv4 address or CIDR block, host bits allowed as in E2B) as ``a.b.c.d/n``;
-    in ``allowOut`` a domain rule (``example.com``, ``*.example.com``, ``*``) comes back as
-    ``domain:<rule>``."""
-    if not isinstance(entry, str) or not entry.strip():
-        raise Invalid(f"invalid {field} entry {entry!r}: expected an IPv4 address or CIDR block")
-    text = entry.strip()
-    try:
-        net = ipaddress.ip_network(text, strict=False)
-    except ValueError:
-        if field == "denyOut":
-            raise Invalid(f"invalid denied CIDR {text}") from None
-        rule = egress_proxy.normalise_rule(text)
-        if rule is not None:
-            return "domain:" + rule
-        raise Invalid(
-            f"invalid allowOut entry {text!r}: expected an IPv4 address, CIDR block or domain name"
-        ) from None
-    if net.version != 4:
-        raise Invalid(f"invalid {field} entry {text}: sandboxes have IPv4 only")
-    return str(net)
-
-
-def parse_egress(
-    allow_out: list[str] | None,
-    deny_out: list[str] | None,
-    *,
-    dns_servers: list[str] | None = None,
-    internet_closed: bool = False,
-) -> EgressPolicy:
-    """E2B's ``allowOut``/``denyOut`` as a policy; :class:`Invalid` names the first bad entry.
-
-    Domain rules need every other destination closed (E2B: ``ALL_TRAFFIC`` in ``denyOut``; here
-    ``allow_internet_access=False``, ``internet_closed``, says the same) and open the resolvers
-    (``dns_servers``, else :data:`DEFAULT_RESOLVERS`) on port 53 so that names resolve."""
-    lists = {"allowOut": allow_out or [], "denyOut": deny_out or []}
-    for field, entries in lists.items():
-        if len(entries) > MAX_POLICY_ENTRIES:
-            raise Invalid(f"{field} has {len(entries)} entries; at most {MAX_POLICY_ENTRIES} are allowed")
-    allowed = list(dict.fromkeys(_network_of(e, "allowOut") for e in lists["allowOut"]))
-    denied = tuple(dict.fromkeys(_network_of(e, "denyOut") for e in lists["denyOut"]))
-    domains = tuple(a.removeprefix("domain:") for a in allowed if a.startswith("domain:"))
-    if domains and "0.0.0.0/0" not in denied and not internet_closed:
-        raise Invalid(DOMAINS_NEED_BLOCK_ALL)
-    resolvers = tuple(dns_servers or DEFAULT_RESOLVERS) if domains else ()
-    return EgressPolicy(
-        allow_out=tuple(a for a in allowed if not a.startswith("domain:")),
-        deny_out=denied,
-        allow_domains=domains,
-        resolvers=tuple(dict.fromkeys(resolvers)),
-    )
+# -- egress policy (parsed in runtime/egress_policy.py) -------------------------------------------
 
 
 def node_networks() -> list[str]:
@@ -281,7 +218,8 @@ def redirect_rules(subnet: str, policy: EgressPolicy | None, proxy_port: int) ->
     """The rules of a sandbox's nat redirect chain: with domain rules, new TCP connections to
     ports 80 and 443 that its egress chain would drop go to the egress proxy (the host, other
     sandboxes and ``allow_out`` are left alone: the filter decides those). Domain rules come
-    with everything else closed (:func:`parse_egress`), so "would drop" is "not allow_out"."""
+    with everything else closed (``egress_policy.parse_egress``), so "would drop" is "not
+    allow_out"."""
     if policy is None or not policy.allow_domains:
         return []
     rules = [["-m", "addrtype", "--dst-type", "LOCAL", "-j", "RETURN"], ["-d", subnet, "-j", "RETURN"]]

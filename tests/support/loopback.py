@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket
 
 from forkyard.config import Settings
 from forkyard.errors import Failed, NotSupported
-from forkyard.runtime.base import Runtime
+from forkyard.runtime.base import Capability, Runtime
 from forkyard.types import ENVD_PORT, SandboxInstance, SandboxMetrics, SandboxSpec, SnapshotRef
 
 
@@ -161,6 +161,9 @@ class LoopbackRuntime(Runtime):
     def probe(self) -> str | None:
         return None
 
+    def platform(self) -> str:
+        return "loopback"
+
     def _address(self) -> str:
         self._next += 1
         return f"127.213.{(self._next // 250) % 250 + 1}.{self._next % 250 + 1}"
@@ -228,6 +231,10 @@ class LoopbackRuntime(Runtime):
         assert instance.sandbox_id not in self.frozen, "a frozen sandbox is thawed before its checkpoint"
         if stop:
             await self.kill(instance)
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:  # type: ignore[override]
+        return frozenset({Capability.FREEZE}) if self.freezes else frozenset()
 
     async def freeze(self, instance: SandboxInstance) -> None:
         if not self.freezes:

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from forkyard.config import Settings
 from forkyard.errors import Invalid
-from forkyard.runtime import egress_proxy, network
+from forkyard.runtime import egress_policy, egress_proxy, network
 from forkyard.runtime.network import NetworkError, SandboxNetwork
 from tests.support import unique_id
 
@@ -419,7 +419,7 @@ async def test_readdress(settings: Settings, nets: list[SandboxNetwork]) -> None
 async def test_domain_rules_redirect_to_the_proxy_and_updates_replace_them(
     settings: Settings, nets: list[SandboxNetwork]
 ) -> None:
-    policy = network.parse_egress(["example.com", "198.51.100.0/24"], ["0.0.0.0/0"])
+    policy = egress_policy.parse_egress(["example.com", "198.51.100.0/24"], ["0.0.0.0/0"])
     net = await network.setup_network(settings, unique_id("d"), allow_internet_access=True, egress=policy)
     nets.append(net)
     try:
@@ -438,7 +438,7 @@ async def test_domain_rules_redirect_to_the_proxy_and_updates_replace_them(
         assert published is not None and published.domains == ("example.com",)
 
         await network.update_egress(
-            settings, net, allow_internet_access=True, egress=network.parse_egress(["1.2.3.4"], None)
+            settings, net, allow_internet_access=True, egress=egress_policy.parse_egress(["1.2.3.4"], None)
         )
         assert sh("iptables", "-t", "nat", "-S", redirect).splitlines() == [f"-N {redirect}"]
         assert proxy.policy_for(net.sandbox_ip) is None

@@ -9,15 +9,17 @@ import hashlib
 import itertools
 import os
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
 import uvicorn
 import websockets
+from e2b import AsyncSandbox
 
 from forkyard.api.app import create_app
 from forkyard.config import Settings
@@ -349,6 +351,44 @@ async def test_templates(node: Node) -> None:
     one = (await node.client.get("/templates/base")).json()
     assert one["templateID"] == "base" and one["builds"][0]["status"] == "ready"
     assert_e2b_error(await node.client.get("/templates/nope"), 404)
+
+
+def _routes(routes: list[Any]) -> Iterator[Any]:
+    for route in routes:  # FastAPI keeps an included router whole (``original_router``)
+        inner = getattr(route, "original_router", None)
+        yield from _routes(inner.routes) if inner is not None else [route]
+
+
+async def test_delete_templates_has_one_route(tmp_path: Path) -> None:
+    """Templates and snapshots share E2B's one ``DELETE /templates/{templateID}``: a second
+    registration would be dead code (Starlette only ever reaches the first)."""
+    app = create_app(Settings(data_dir=tmp_path), runtime=LoopbackRuntime())
+    deletes = [
+        r.path
+        for r in _routes(app.routes)
+        if "DELETE" in (getattr(r, "methods", None) or ()) and r.path.startswith("/templates/{")
+    ]
+    assert len(deletes) == 1, deletes
+
+
+async def test_the_sdk_deletes_snapshots_by_id_and_by_namespaced_name(node: Node) -> None:
+    """``Sandbox.delete_snapshot`` sends ``DELETE /templates/{id}`` with the id percent-encoded:
+    E2B's names are ``team/name:tag`` (openapi.yml SnapshotInfo). True once, then False (404)."""
+    sid = str((await create(node))["sandboxID"])
+    opts = {"api_key": API_KEY, "api_url": node.url}
+    try:
+        named = await node.client.post(f"/sandboxes/{sid}/snapshots", json={"name": "keepsake"})
+        plain = await node.client.post(f"/sandboxes/{sid}/snapshots", json={})
+        assert named.status_code == plain.status_code == 201, named.text + plain.text
+        assert await AsyncSandbox.delete_snapshot("my-team/keepsake:default", **opts) is True
+        assert await AsyncSandbox.delete_snapshot("my-team/keepsake:default", **opts) is False
+        assert await AsyncSandbox.delete_snapshot(plain.json()["snapshotID"], **opts) is True
+        assert await AsyncSandbox.delete_snapshot(plain.json()["snapshotID"], **opts) is False
+        assert (await node.client.get("/snapshots", params={"sandboxID": sid})).json() == []
+        # The node's own template is not the API's to delete, whichever way it is named.
+        assert_e2b_error(await node.client.delete("/templates/my-team%2Fbase"), 403)
+    finally:
+        await node.client.delete(f"/sandboxes/{sid}")
 
 
 # -- the proxy ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from forkyard.config import Settings
 from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator, build_orchestrator
-from forkyard.orchestrator.store import ListQuery, SandboxRecord, SandboxStore
+from forkyard.orchestrator.store import ListQuery, NetworkPolicy, SandboxRecord, SandboxStore
 from forkyard.types import SandboxState
 from tests.support.loopback import LoopbackRuntime, write_template
 
@@ -94,7 +94,12 @@ async def test_a_starting_node_recovers_only_its_own_sandboxes(tmp_path: Path, p
     sandbox alone, and a restarted a re-attaches it."""
     url = postgres.new_database()
     request = CreateRequest(
-        template_id="base", timeout_seconds=60, metadata={}, envs={}, secure=False, allow_internet_access=True
+        template_id="base",
+        timeout_seconds=60,
+        metadata={},
+        envs={},
+        secure=False,
+        network=NetworkPolicy(allow_internet_access=True),
     )
     async with node(tmp_path, url, "node-a") as a:
         rec = await a.create(request)

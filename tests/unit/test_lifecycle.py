@@ -17,11 +17,12 @@ from forkyard.orchestrator.envd_client import WARM_UP_COMMAND
 from forkyard.orchestrator.lifecycle import (
     EDGES,
     STARTS_FROM,
+    TIER_EDGES,
     CreateRequest,
     Orchestrator,
     build_orchestrator,
 )
-from forkyard.orchestrator.store import SandboxRecord
+from forkyard.orchestrator.store import NetworkPolicy, SandboxRecord
 from forkyard.orchestrator.timing import utcnow
 from forkyard.orchestrator.undo import Undo
 from forkyard.types import ENVD_INIT_REVALIDATE, SandboxState
@@ -113,7 +114,7 @@ def request(template_id: str = "base") -> CreateRequest:
         metadata={"k": "v"},
         envs={},
         secure=False,
-        allow_internet_access=True,
+        network=NetworkPolicy(allow_internet_access=True),
     )
 
 
@@ -150,6 +151,32 @@ async def test_an_illegal_edge_is_refused(orchestrator: tuple[Orchestrator, Loop
     with pytest.raises(Failed, match="no transition from running to paused"):
         await orch._enter(rec, SandboxState.PAUSED)  # a pause passes through "pausing"
     assert (await orch.get(rec.sandbox_id)).state == SandboxState.RUNNING
+    await orch.kill(rec.sandbox_id)
+
+
+async def test_every_pause_tier_is_entered_from_none_and_left_to_none() -> None:
+    tiers = [t for t in TIER_EDGES if t is not None]
+    assert set(TIER_EDGES[None]) | {"moving"} == set(tiers)
+    for tier in tiers:  # each tier ends in a resume (to None), through "disk" or directly
+        assert None in TIER_EDGES[tier] or (None in TIER_EDGES["disk"] and "disk" in TIER_EDGES[tier])
+
+
+async def test_an_illegal_pause_tier_change_is_refused(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
+    """Tier changes go through the same gate as states: a sandbox on disk cannot start a move to
+    disk, and a tier needs the paused state."""
+    orch, _ = orchestrator
+    rec = await orch.create(request())
+    with pytest.raises(Failed, match="a pause tier \\(frozen\\) outside paused"):
+        await orch._enter(rec, SandboxState.RUNNING, tier="frozen")
+    await orch.pause(rec.sandbox_id)  # this runtime cannot freeze: straight to disk
+    rec = await orch.get(rec.sandbox_id)
+    assert rec.pause_tier == "disk"
+    with pytest.raises(Failed, match="no pause tier change from disk to moving"):
+        await orch._enter(rec, SandboxState.PAUSED, tier="moving")
+    stored = await orch.store.get(rec.sandbox_id)
+    assert stored is not None and stored.pause_tier == "disk"
     await orch.kill(rec.sandbox_id)
 
 
@@ -262,7 +289,7 @@ async def test_tiered_pause_freezes_moves_to_disk_and_resumes_from_either(tmp_pa
         assert runtime.seen[rec.sandbox_id].inits[-1][ENVD_INIT_REVALIDATE] is False
 
         await orch.pause(rec.sandbox_id)
-        orch._move_frozen_to_disk([])  # nothing frozen long enough, memory plentiful: nothing moves
+        orch.reaper.tier_policy.apply([])  # nothing frozen long enough, memory plentiful: nothing moves
         await orch._move_to_disk(rec.sandbox_id, "test")
         on_disk = await orch.get(rec.sandbox_id)
         assert (on_disk.state, on_disk.pause_tier) == (SandboxState.PAUSED, "disk")
@@ -316,7 +343,7 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
                 metadata={},
                 envs={"MINE": "1"},
                 secure=False,
-                allow_internet_access=True,
+                network=NetworkPolicy(allow_internet_access=True),
             )
         )
         assert third.origin == "standby" and third.restored_from == snap.snapshot_id

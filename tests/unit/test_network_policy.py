@@ -15,12 +15,12 @@ from forkyard.api import dns, tls
 from forkyard.api.routes_network import check_mask
 from forkyard.config import Settings
 from forkyard.errors import Invalid
-from forkyard.runtime import network
+from forkyard.runtime import egress_policy, network
 from forkyard.types import EgressPolicy
 
 
 def test_policies_are_parsed_as_e2b_does() -> None:
-    policy = network.parse_egress(["1.2.3.4", "10.1.2.3/8", "1.2.3.4/32"], ["0.0.0.0/0"])
+    policy = egress_policy.parse_egress(["1.2.3.4", "10.1.2.3/8", "1.2.3.4/32"], ["0.0.0.0/0"])
     assert policy == EgressPolicy(allow_out=("1.2.3.4/32", "10.0.0.0/8"), deny_out=("0.0.0.0/0",))
     for allow, deny, message in [
         (["example.com"], None, "you must include 'ALL_TRAFFIC' in deny out"),
@@ -35,20 +35,20 @@ def test_policies_are_parsed_as_e2b_does() -> None:
         (["1.1.1.1"] * 257, None, "at most 256"),
     ]:
         with pytest.raises(Invalid, match=message):
-            network.parse_egress(allow, deny)
+            egress_policy.parse_egress(allow, deny)
 
 
 def test_domain_rules_are_split_from_networks_and_open_the_resolvers() -> None:
-    policy = network.parse_egress(["Example.COM.", "1.2.3.4", "*.Example.org", "*"], ["0.0.0.0/0"])
+    policy = egress_policy.parse_egress(["Example.COM.", "1.2.3.4", "*.Example.org", "*"], ["0.0.0.0/0"])
     assert policy == EgressPolicy(
         allow_out=("1.2.3.4/32",),
         deny_out=("0.0.0.0/0",),
         allow_domains=("example.com", "*.example.org", "*"),
-        resolvers=network.DEFAULT_RESOLVERS,
+        resolvers=egress_policy.DEFAULT_RESOLVERS,
     )
-    closed = network.parse_egress(["example.com"], None, dns_servers=["9.9.9.9"], internet_closed=True)
+    closed = egress_policy.parse_egress(["example.com"], None, dns_servers=["9.9.9.9"], internet_closed=True)
     assert closed.allow_domains == ("example.com",) and closed.resolvers == ("9.9.9.9",)
-    assert network.parse_egress(["1.2.3.4"], None, dns_servers=["9.9.9.9"]).resolvers == ()
+    assert egress_policy.parse_egress(["1.2.3.4"], None, dns_servers=["9.9.9.9"]).resolvers == ()
     rules = network.egress_rules(True, closed)
     assert ["-d", "9.9.9.9/32", "-p", "udp", "--dport", "53", "-j", "ACCEPT"] in rules
     assert ["-d", "9.9.9.9/32", "-p", "tcp", "--dport", "53", "-j", "ACCEPT"] in rules
@@ -58,7 +58,7 @@ def test_only_domain_policies_redirect_and_allow_out_goes_around_the_proxy() -> 
     subnet = "10.213.0.0/16"
     assert network.redirect_rules(subnet, None, 4000) == []
     assert network.redirect_rules(subnet, EgressPolicy(allow_out=("1.2.3.4/32",)), 4000) == []
-    policy = network.parse_egress(["example.com", "1.2.3.0/24"], ["0.0.0.0/0"])
+    policy = egress_policy.parse_egress(["example.com", "1.2.3.0/24"], ["0.0.0.0/0"])
     rules = network.redirect_rules(subnet, policy, 4000)
     assert rules[:3] == [
         ["-m", "addrtype", "--dst-type", "LOCAL", "-j", "RETURN"],
@@ -108,7 +108,7 @@ def test_the_ca_is_made_once_and_signs_a_wildcard_for_the_domain(tmp_path: Path)
     assert "*.sbx.example.test" in names.get_values_for_type(x509.DNSName)
     ctx = ssl.create_default_context(cafile=str(second.bundle))  # loads: the bundle parses
     assert ctx.cert_store_stats()["x509_ca"] >= 1
-    assert tls.public_domain(settings) == "sbx.example.test:8443"
+    assert tls.https_domain(settings) == "sbx.example.test:8443"
     with pytest.raises(Invalid, match="two labels"):
         tls.check_domain("localhost")
 

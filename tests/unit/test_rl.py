@@ -217,6 +217,7 @@ def test_rl_importing_a_server_layer_is_caught(tmp_path: Path) -> None:
 
 def secured(template_id: str = "base", secure: bool = True) -> Any:
     from forkyard.orchestrator.lifecycle import CreateRequest
+    from forkyard.orchestrator.store import NetworkPolicy
 
     return CreateRequest(
         template_id=template_id,
@@ -224,7 +225,7 @@ def secured(template_id: str = "base", secure: bool = True) -> Any:
         metadata={"k": "v"},
         envs={"E": "1"},
         secure=secure,
-        allow_internet_access=True,
+        network=NetworkPolicy(allow_internet_access=True),
     )
 
 

@@ -26,29 +26,14 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_api_key
 from forkyard.orchestrator.lifecycle import Orchestrator
-from forkyard.orchestrator.store import LIVE_STATES
 from forkyard.runtime.base import Runtime
-from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
-from forkyard.runtime.gvisor.runtime import GvisorRuntime
-from forkyard.runtime.qemu.runtime import QemuRuntime
-from forkyard.types import SandboxState
+from forkyard.types import HELD_STATES, SandboxState
 
 log = logging.getLogger(__name__)
 
 SAMPLE_SECONDS = 5.0
 HISTORY_SAMPLES = 720  # an hour at SAMPLE_SECONDS
 LIFECYCLE_METRIC = "forkyard_lifecycle_seconds"
-
-
-def runtime_platform(runtime: Runtime) -> str:
-    """How the runtime isolates: runsc's platform, QEMU's accelerator, Firecracker's KVM or PVM."""
-    if isinstance(runtime, GvisorRuntime):
-        return runtime.runsc.platform()
-    if isinstance(runtime, QemuRuntime):
-        return str(runtime.accel)
-    if isinstance(runtime, FirecrackerRuntime):
-        return "pvm" if runtime.settings.firecracker.pvm else "kvm"
-    return "unknown"
 
 
 @dataclass
@@ -98,7 +83,7 @@ def _mib(n: float) -> int:
 async def node_status(app: FastAPI) -> dict[str, Any]:
     orch: Orchestrator = app.state.orchestrator
     runtime: Runtime = app.state.hub.runtime
-    live = await orch.store.in_states((*LIVE_STATES, SandboxState.PAUSED))
+    live = await orch.store.in_states(HELD_STATES)
     by_state: dict[str, int] = {}
     by_tier: dict[str, int] = {}
     for rec in live:
@@ -111,7 +96,7 @@ async def node_status(app: FastAPI) -> dict[str, Any]:
     disk = shutil.disk_usage(orch.settings.data_dir)
     return {
         "runtime": runtime.name,
-        "platform": runtime_platform(runtime),
+        "platform": runtime.platform(),
         "capacity": {
             "cpuCount": os.cpu_count() or 1,
             "loadAverage1m": round(os.getloadavg()[0], 2),

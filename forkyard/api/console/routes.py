@@ -27,9 +27,9 @@ from forkyard.errors import ForkyardError, Invalid, NotFound
 from forkyard.orchestrator import templates
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.lifecycle import Orchestrator
-from forkyard.orchestrator.store import LISTED_STATES, ListQuery, SandboxRecord
+from forkyard.orchestrator.store import ListQuery, SandboxRecord
 from forkyard.storage.snapshots import SnapshotRow
-from forkyard.types import ENVD_PORT, SandboxState
+from forkyard.types import ENVD_PORT, LISTED_STATES, SandboxState
 
 PACKAGE = "forkyard.api.console"
 STATIC_TYPES = {"console.css": "text/css", "terminal.js": "text/javascript"}

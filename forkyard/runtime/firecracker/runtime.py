@@ -43,6 +43,7 @@ import httpx
 
 from forkyard.config import FirecrackerSettings, Settings
 from forkyard.errors import Failed, Unavailable
+from forkyard.runtime.base import Capability
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
 from forkyard.runtime.microvm import vmnet
@@ -185,6 +186,7 @@ def complete_diff_memory(dest: SnapshotRef, diff: Path) -> None:
 
 class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     name: ClassVar[RuntimeName] = "firecracker"
+    capabilities = frozenset({Capability.FREEZE})
     process_name: ClassVar[str] = "firecracker"
     snapshot_file: ClassVar[str] = SNAPSHOT_STATE
 
@@ -202,6 +204,9 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
 
     def probe(self) -> str | None:
         return firecracker_unusable_reason(self.settings)
+
+    def platform(self) -> str:
+        return "pvm" if self.fc.pvm else "kvm"
 
     def kernel(self, images: GuestImages) -> Path:
         if self.fc.pvm:

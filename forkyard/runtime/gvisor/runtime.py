@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 from forkyard.config import Settings
 from forkyard.errors import Conflict, Failed, Gone
 from forkyard.runtime import network
-from forkyard.runtime.base import CpuSampler, Runtime, envd_healthy, log_tail
+from forkyard.runtime.base import Capability, CpuSampler, Runtime, envd_healthy, log_tail
 from forkyard.runtime.gvisor import cgroups, checkpoint, freezer, oom, watch
 from forkyard.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from forkyard.runtime.gvisor.disk import RootDisks
@@ -94,6 +94,9 @@ CAPABILITIES = [
 
 class GvisorRuntime(Runtime):
     name: ClassVar[RuntimeName] = "gvisor"
+    capabilities = frozenset(
+        {Capability.FREEZE, Capability.FILESYSTEM_PAUSE, Capability.EXPORT_ROOT, Capability.ROOT_LAYERS}
+    )
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -116,6 +119,9 @@ class GvisorRuntime(Runtime):
         guard = self._oom_guards.pop(sandbox_id, None)
         if guard is not None:
             guard.close()
+
+    def platform(self) -> str:
+        return self.runsc.platform()
 
     def probe(self) -> str | None:
         runsc = self.runsc.binary

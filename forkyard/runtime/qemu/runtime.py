@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Literal
 
 from forkyard.config import Settings
 from forkyard.errors import Failed, Unavailable
-from forkyard.runtime.base import log_tail
+from forkyard.runtime.base import Capability, log_tail
 from forkyard.runtime.kvm import kvm_unusable_reason
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import SNAPSHOT_UPPER, snapshot_disk, snapshot_layer_file
@@ -143,6 +143,7 @@ def _device_state_uri(memory_bin: Path, fd: int | None) -> str:
 
 class QemuRuntime(MicroVmRuntime[QemuPaths]):
     name: ClassVar[RuntimeName] = "qemu"
+    capabilities = frozenset({Capability.FREEZE})
     process_name: ClassVar[str] = "qemu"
     snapshot_file: ClassVar[str] = SNAPSHOT_MEMORY
 
@@ -168,6 +169,9 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             if reason is not None:
                 return f"FORKYARD_QEMU__ACCEL=kvm, but {reason}"
         return None
+
+    def platform(self) -> str:
+        return str(self.accel)
 
     @functools.cached_property
     def accel(self) -> Accel:
