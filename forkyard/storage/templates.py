@@ -754,6 +754,7 @@ def _configure_rootfs(root: Path) -> None:
         yarn.symlink_to("/usr/bin/yarnpkg")
     # Mount point of the read-only envd bundle.
     (root / ".forkyard").mkdir(exist_ok=True)
+    _drop_documentation(root)
     for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
         for entry in (root / cache).glob("*"):
             if entry.is_file():
@@ -767,6 +768,28 @@ def is_current(template_id: str, settings: Settings) -> bool:
     recipe = RECIPES.get(template_id)
     meta = read_metadata(template_id, settings)
     return recipe is None or bool(meta.get("build_id")) or meta.get("recipe") == recipe_digest(recipe)
+
+
+#: What Debian's slim images leave out (a seventh of the base root); packages installed later
+#: in a sandbox skip them too (dpkg's path-exclude). Copyright files stay.
+_DPKG_EXCLUDES = """path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+"""
+
+
+def _drop_documentation(root: Path) -> None:
+    """Files only: the directories stay (some packages' scripts expect ``/usr/share/man/man1``)."""
+    for tree in ("usr/share/man", "usr/share/info", "usr/share/locale", "usr/share/doc"):
+        for dirpath, _dirs, files in os.walk(root / tree):
+            for name in files:
+                if name not in ("copyright", "locale.alias"):
+                    os.unlink(os.path.join(dirpath, name))
+    (root / "etc/dpkg/dpkg.cfg.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/dpkg/dpkg.cfg.d/forkyard-nodoc").write_text(_DPKG_EXCLUDES)
 
 
 def build_template(template_id: str, settings: Settings, *, force: bool = False) -> TemplateImage:
