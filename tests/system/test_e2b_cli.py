@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -45,7 +46,8 @@ def test_sandbox_logs_pretty_json_and_filters(server: ServerProcess) -> None:
         pretty = _e2b(server, "sandbox", "logs", sbx.sandbox_id)
         assert pretty.returncode == 0, pretty.stderr
         assert f"Logs for sandbox {sbx.sandbox_id}" in pretty.stdout
-        assert "INFO" in pretty.stdout and "logger: 'orchestrator'" in pretty.stdout
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", pretty.stdout)  # util.inspect colours the fields
+        assert "] INFO " in plain and "logger: 'orchestrator'" in plain
         as_json = _e2b(server, "sandbox", "logs", sbx.sandbox_id, "--format", "json")
         assert as_json.returncode == 0, as_json.stderr
         records = [json.loads(line) for line in as_json.stdout.splitlines() if line.startswith("{")]
