@@ -20,7 +20,13 @@ import pytest
 from e2b import Sandbox, Template
 
 from tests.support import SHARED_TEMPLATES, base_template_missing, unique_id
-from tests.support.mirror_registry import MARKER, MirrorRegistry, mirror_registry
+from tests.support.mirror_registry import (
+    MARKER,
+    MIRROR_PASSWORD,
+    MIRROR_USER,
+    MirrorRegistry,
+    mirror_registry,
+)
 from tests.support.server import ServerProcess, serve
 
 pytestmark = pytest.mark.requires_root("template builds run gVisor build sandboxes")
@@ -68,6 +74,27 @@ def test_from_image_alone_through_the_mirror_then_create_by_build_id(server: Ser
         plain.kill()
         with pytest.raises(Exception, match="no build tagged"):
             Sandbox.create(f"{name}:00000000-0000-4000-8000-000000000000")
+    finally:
+        _delete(server, name)
+
+
+def test_from_image_alone_from_a_registry_named_directly(
+    server: ServerProcess, mirror: MirrorRegistry
+) -> None:
+    """No mirror involved: an image with no step after it is provisioned and published (it
+    failed every build with an AssertionError: no build sandbox, yet provisioning in one)."""
+    name = unique_id("tbalone-")
+    template = Template().from_image(
+        f"{mirror.host}/library/busybox:latest", username=MIRROR_USER, password=MIRROR_PASSWORD
+    )
+    Template.build(template, name)
+    try:
+        sbx = Sandbox.create(name)
+        try:
+            assert sbx.files.read("/mirror.txt") == MARKER
+            assert "user:x:1000:" in sbx.files.read("/etc/passwd")
+        finally:
+            sbx.kill()
     finally:
         _delete(server, name)
 
