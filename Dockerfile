@@ -27,7 +27,7 @@ RUN printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-bac
       "runsc=$RUNSC_VERSION" \
       python3 python3-venv ca-certificates \
       debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs erofs-utils \
-      cpio zstd procps psmisc util-linux kmod patchelf binutils skopeo umoci \
+      cpio zstd procps psmisc util-linux kmod patchelf binutils skopeo umoci libnss-myhostname \
  && rm -rf /var/lib/apt/lists/*
 
 # The package in its own venv. Direct dependencies are pinned exactly in pyproject.toml; the

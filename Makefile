@@ -16,7 +16,8 @@ endef
 bootstrap:
 	@scripts/bootstrap.sh
 
-# The `base` template in the shared cache (/var/lib/forkyard/templates): a minute once, then instant.
+# The `base` template in the shared cache (/var/lib/forkyard/templates): minutes once (again when its
+# recipe changes: forkyard/storage/templates.py, recipe_digest), then instant.
 template: bootstrap
 	$(FORKYARD) template build base
 

@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 RuntimeChoice = Literal["auto", "gvisor", "qemu", "firecracker"]
@@ -94,6 +94,37 @@ class S3Settings(BaseModel):
         return bool(self.bucket) or self.directory is not None
 
 
+class RegistryMirror(BaseModel):
+    """Where template builds pull one registry's images from instead (``FORKYARD_REGISTRY_MIRRORS``,
+    JSON: ``{"docker.io": {"location": "mirror.internal:5000", "username": ..., "password": ...}}``
+    or ``{"docker.io": "mirror.internal:5000"}``). The registry itself is tried only after the
+    mirror failed (containers' ``registries.conf`` mirrors, which skopeo reads)."""
+
+    #: ``host[:port][/path]``: an image ``<registry>/<name>`` is pulled as ``<location>/<name>``.
+    location: str
+    #: Credentials of the mirror (none: anonymous pulls).
+    username: str | None = None
+    password: str | None = None
+    #: Plain HTTP, or TLS without verifying the certificate. Mirrors on loopback always are.
+    insecure: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _location_alone(cls, value: object) -> object:
+        return {"location": value} if isinstance(value, str) else value
+
+    @field_validator("location")
+    @classmethod
+    def _plain_location(cls, value: str) -> str:
+        location = value.strip().removeprefix("https://").removeprefix("http://").rstrip("/")
+        if not location or any(c.isspace() for c in location) or "://" in location:
+            raise ValueError(f"a mirror's location is host[:port][/path], got {value!r}")
+        return location
+
+    def __repr__(self) -> str:  # a stray log of the settings shows no secret
+        return f"RegistryMirror(location={self.location!r}, username={self.username!r})"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FORKYARD_", env_nested_delimiter="__")
 
@@ -125,6 +156,10 @@ class Settings(BaseSettings):
     #: ``address[:port]`` of the DNS server the egress proxy resolves domain-allowed names with
     #: (``allow_out`` domains, forkyard/runtime/egress_proxy.py); empty: the host's resolver.
     egress_resolver: str = ""
+    #: Template builds' registry mirrors (forkyard/storage/images.py): registry host (``docker.io``
+    #: for Docker Hub's names, ``ghcr.io``, ...) -> its mirror. Every image pull of a build tries
+    #: the mirror first; air-gapped nodes pull only from their mirrors.
+    registry_mirrors: dict[str, RegistryMirror] = {}
     #: Subnet sandboxes get their /30 links from (host side .1, sandbox side .2).
     sandbox_subnet: str = "10.213.0.0/16"
     default_timeout_seconds: int = 300

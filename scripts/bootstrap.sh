@@ -6,8 +6,11 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(debootstrap iproute2 iptables busybox-static qemu-system-x86 xfsprogs e2fsprogs
   erofs-utils cpio zstd protobuf-compiler procps psmisc util-linux kmod patchelf binutils gcc libc6-dev
-  skopeo umoci postgresql-15)
+  skopeo umoci postgresql-15 libnss-myhostname)
 
+# libnss-myhostname: glibc then resolves every `*.localhost` name to loopback (its postinst adds
+# `myhostname` to /etc/nsswitch.conf), so sandbox URLs (`<port>-<id>.forkyard.localhost`) resolve
+# for any client on the host with no DNS set-up (a stock Debian 12 has no systemd-resolved).
 SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
 die() { echo "bootstrap: $*" >&2; exit 1; }
 apt_updated=0
@@ -73,7 +76,7 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || clients/rl/pyproject.toml -nt 
   .venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
   touch "$stamp"
 fi
-if [[ "${1:-}" == "--test" && ! -d tests/js/node_modules/e2b ]]; then
+if [[ "${1:-}" == "--test" && ! ( -d tests/js/node_modules/e2b && -d tests/js/node_modules/@e2b/cli ) ]]; then
   echo "bootstrap: installing the e2b JS SDK for tests"
   (cd tests/js && npm install --no-audit --no-fund --silent)
 fi

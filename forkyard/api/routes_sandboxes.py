@@ -36,6 +36,7 @@ from forkyard.api.schemas import (
 from forkyard.errors import Invalid
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator
+from forkyard.orchestrator.logs import LEVELS, log_record
 from forkyard.orchestrator.metrics_history import MetricSample
 from forkyard.orchestrator.store import ListQuery, LogLine, SandboxRecord
 from forkyard.types import SandboxState
@@ -332,7 +333,7 @@ async def sandbox_metrics(
 
 # -- logs --------------------------------------------------------------------------------------
 
-_LEVELS = ("debug", "info", "warn", "error")
+_LEVELS = LEVELS
 
 
 @router.get("/sandboxes/{sandbox_id}/logs")
@@ -343,10 +344,13 @@ async def sandbox_logs_v1(
     limit: Annotated[int, Query(ge=0)] = 1000,
 ) -> JSONResponse:
     since = dt.datetime.fromtimestamp(start / 1000, dt.UTC) if start is not None else None
-    lines = await orch.sandbox_logs(normalise_sandbox_id(sandbox_id), start=since, limit=limit)
+    sandbox_id = normalise_sandbox_id(sandbox_id)
+    lines = await orch.sandbox_logs(sandbox_id, start=since, limit=limit)
     return JSONResponse(
         {
-            "logs": [SandboxLog(timestamp=ln.timestamp, line=ln.message).to_json() for ln in lines],
+            "logs": [
+                SandboxLog(timestamp=ln.timestamp, line=log_record(ln, sandbox_id)).to_json() for ln in lines
+            ],
             "logEntries": [_entry(ln) for ln in lines],
         }
     )

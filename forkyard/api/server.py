@@ -86,13 +86,25 @@ def run(host: str | None = None, port: int | None = None, role: str = "single") 
 
 def sandbox_url_help(settings: Settings, files: tls.TlsFiles) -> str:
     domain = tls.https_domain(settings)
-    return "\n".join(
-        [
-            f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host); trust the CA with:",
-            f"export SSL_CERT_FILE={files.bundle}",
-            f"export NODE_EXTRA_CA_CERTS={files.ca}",
-        ]
-    )
+    lines = [
+        f"Sandbox URLs: https://<port>-<sandbox id>.{domain} (sandbox.get_host); trust the CA with:",
+        f"export SSL_CERT_FILE={files.bundle}",
+        f"export NODE_EXTRA_CA_CERTS={files.ca}",
+    ]
+    if not settings.dns_listen and not sandbox_names_resolve(settings.sandbox_domain):
+        lines.append(
+            f"WARNING: names under {settings.sandbox_domain} do not resolve on this host: for *.localhost "
+            "install libnss-myhostname (Debian; `make run` does), else see README, 'Sandbox URLs'"
+        )
+    return "\n".join(lines)
+
+
+def sandbox_names_resolve(sandbox_domain: str) -> bool:
+    """A sandbox URL's host name resolves here (the host's resolver, as clients use it)."""
+    try:
+        return bool(socket.getaddrinfo(f"49983-probe.{sandbox_domain}", 443, type=socket.SOCK_STREAM))
+    except (OSError, UnicodeError):
+        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -37,7 +37,7 @@ from forkyard.orchestrator.builder import (
 )
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.runtime.registry import select_runtime
-from forkyard.storage.templates import RECIPES, TemplateError, build_template, is_built, list_templates
+from forkyard.storage.templates import RECIPES, TemplateError, build_template, is_current, list_templates
 
 CWD = Path(".")
 app = typer.Typer(help="Build and list sandbox templates.", no_args_is_help=True)
@@ -83,7 +83,7 @@ def build(
 
 
 def _build_recipe(template_id: str, settings: Settings, force: bool) -> None:
-    already = is_built(template_id, settings) and not force
+    already = is_current(template_id, settings) and not force
     started = time.monotonic()
     try:
         image = build_template(template_id, settings, force=force)

@@ -357,9 +357,11 @@ class TemplateBuilder:
                 base, parent, ctx = await self._base(build, spec, staging)
             cached = hit.steps if hit is not None else 0
             runtime = self._runtimes.for_template(base)
-            if cached < len(spec.steps) or spec.start_cmd or spec.ready_cmd:
+            # A pulled image is provisioned in the build sandbox even when no step follows it.
+            provision = bool(spec.from_image) and hit is None
+            if provision or cached < len(spec.steps) or spec.start_cmd or spec.ready_cmd:
                 instance = await self._build_sandbox(build, runtime, base, parent)
-            if spec.from_image and hit is None:
+            if provision:
                 assert instance is not None
                 await self._provision(build, instance, base.rootfs)
             for i, item in enumerate(spec.steps[cached:], cached + 1):
@@ -508,6 +510,7 @@ class TemplateBuilder:
                 staging / "pull",
                 username=username,
                 password=password,
+                mirrors=self._settings.registry_mirrors,
             )
         except images.ImageError as exc:
             raise StepFailed(f"pulling image '{spec.from_image}' failed: {exc}", BASE_STEP) from None

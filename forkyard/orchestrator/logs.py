@@ -4,16 +4,37 @@ output), moved into the registry so they outlive the sandbox's scratch directory
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
-from forkyard.orchestrator.store import SandboxRecord, SandboxStore
+from forkyard.orchestrator.store import LogLine, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
 
 #: Runtime log files in ``{data_dir}/sandboxes/<id>/`` collected into the sandbox's logs.
 RUNTIME_LOG_FILES = ("envd.log",)
 LOG_READ_LIMIT = 1 << 20
+#: Levels E2B's logs use; others are shown as ``info``.
+LEVELS = ("debug", "info", "warn", "error")
+#: Who wrote a line without a ``source`` field (the lifecycle's events).
+DEFAULT_LOGGER = "orchestrator"
+
+
+def log_record(line: LogLine, sandbox_id: str) -> str:
+    """A log line as E2B's v1 logs API gives it: one JSON record per line with ``level``,
+    ``logger`` (``orchestrator`` for lifecycle events, the runtime log file's name for its
+    lines, e.g. ``envd``), ``message`` and the line's other fields. E2B's CLI
+    (``e2b sandbox logs``) parses every line so and filters on ``level`` and ``logger``."""
+    fields = {k: v for k, v in line.fields.items() if k not in ("level", "logger", "message")}
+    record = {
+        "level": line.level if line.level in LEVELS else "info",
+        "logger": line.fields.get("source") or DEFAULT_LOGGER,
+        "message": line.message,
+        "sandboxID": sandbox_id,
+        **fields,
+    }
+    return json.dumps(record, separators=(",", ":"))
 
 
 class SandboxLogs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from forkyard.config import Settings
 from forkyard.errors import NotFound
@@ -82,8 +81,7 @@ def _info(image: TemplateImage) -> TemplateInfo:
     build_id = meta.get("build_id")
     if not isinstance(build_id, str) or not build_id:
         # Recipe builds have no build id: the completion marker's timestamp identifies the build.
-        marker: Path = tdir / storage.COMPLETE_MARKER
-        build_id = _uuid_from(marker.read_text().strip() if marker.exists() else image.template_id)
+        build_id = storage.recipe_build_id(tdir)
     return TemplateInfo(
         image=image,
         created_at=created,
@@ -91,12 +89,6 @@ def _info(image: TemplateImage) -> TemplateInfo:
         start=StartCommand.of(meta),
         pooled=bool(meta.get("warm_pool")),
     )
-
-
-def _uuid_from(text: str) -> str:
-    import uuid
-
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, "forkyard-template-build:" + text))
 
 
 def list_all(settings: Settings) -> list[TemplateInfo]:

@@ -38,11 +38,11 @@ import stat
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkyard.config import Settings
+from forkyard.config import RegistryMirror, Settings
 from forkyard.errors import Failed, Gone
 from forkyard.storage.atomic import exclusive, publish
 from forkyard.storage.envd_bundle import MOUNT_POINT, build_envd_bundle, envd_argv, envd_env
@@ -583,16 +583,47 @@ def oci_reference(image: str) -> str:
 
 
 def _loopback_registry(reference: str) -> bool:
-    host = reference.removeprefix("docker://").split("/", 1)[0].rsplit(":", 1)[0]
+    return _loopback_host(reference.removeprefix("docker://").split("/", 1)[0])
+
+
+def _loopback_host(host_port: str) -> bool:
+    host = host_port.rsplit(":", 1)[0]
     return host in ("localhost", "127.0.0.1", "[::1]") or host.startswith("127.")
 
 
+#: Names Docker Hub's registry goes by; a mirror configured under any of them mirrors ``docker.io``.
+DOCKER_HUB_ALIASES = ("docker.io", "index.docker.io", "registry-1.docker.io", "registry.hub.docker.com")
+
+
+def registry_of(image: str) -> str:
+    """The registry host an image name pulls from (``ubuntu:22.04`` -> ``docker.io``)."""
+    return oci_reference(image).removeprefix("docker://").split("/", 1)[0]
+
+
+def _mirror_for(registry: str, mirrors: Mapping[str, RegistryMirror]) -> RegistryMirror | None:
+    for name, mirror in mirrors.items():
+        key = name.strip().lower().rstrip("/")
+        if key == registry or (registry == "docker.io" and key in DOCKER_HUB_ALIASES):
+            return mirror
+    return None
+
+
 def pull_image_rootfs(
-    image: str, dest: Path, work: Path, *, username: str | None = None, password: str | None = None
+    image: str,
+    dest: Path,
+    work: Path,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    mirrors: Mapping[str, RegistryMirror] | None = None,
 ) -> OciImageConfig:
     """Pull ``image`` from its registry with skopeo into an OCI layout under ``work`` and unpack
     it with umoci; its root file system becomes ``dest`` (which must not exist). Registries on
-    loopback are spoken to over plain HTTP (a local registry has no certificate), others over TLS."""
+    loopback are spoken to over plain HTTP (a local registry has no certificate), others over TLS.
+
+    A mirror of the image's registry in ``mirrors`` (the node's ``registry_mirrors``) is tried
+    first, the registry after it (skopeo's ``registries.conf`` mirrors, in a file of this pull's:
+    the host's own mirrors do not change what a build pulls)."""
     for tool in ("skopeo", "umoci"):
         if shutil.which(tool) is None:
             raise ImageError(f"{tool} is not installed (apt-get install {tool}; scripts/bootstrap.sh does)")
@@ -600,15 +631,29 @@ def pull_image_rootfs(
     work.mkdir(parents=True, exist_ok=True)
     layout = work / "oci"
     bundle = work / "bundle"
-    cmd = ["skopeo", "copy", "--quiet", "--retry-times", "2"]
+    registry = registry_of(image)
+    mirror = _mirror_for(registry, mirrors or {})
+    cmd = ["skopeo"]
+    if mirror is not None:
+        cmd += ["--registries-conf", str(_write_registries_conf(work, registry, mirror))]
+    cmd += ["copy", "--quiet", "--retry-times", "2"]
     if _loopback_registry(reference):
         cmd.append("--src-tls-verify=false")
+    auths: dict[str, tuple[str, str]] = {}
     if username is not None:
+        auths[registry] = (username, password or "")
+    if mirror is not None and mirror.username is not None:
+        auths[mirror.location.split("/", 1)[0]] = (mirror.username, mirror.password or "")
+    if auths:
         # An auth file, not ``--src-creds``: credentials stay out of argv (``ps``) and out of
         # the command line a failure's message repeats (it goes to the build's logs).
-        cmd += ["--src-authfile", str(_write_authfile(work, reference, username, password or ""))]
+        cmd += ["--src-authfile", str(_write_authfile(work, auths))]
     try:
         _run(*cmd, reference, f"oci:{layout}:image")
+    except ImageError as exc:
+        if mirror is None:
+            raise
+        raise ImageError(f"through the mirror {mirror.location} of {registry}: {exc.message}") from None
     finally:
         (work / "auth.json").unlink(missing_ok=True)
     _run("umoci", "unpack", "--image", f"{layout}:image", str(bundle))
@@ -618,14 +663,31 @@ def pull_image_rootfs(
     return config
 
 
-def _write_authfile(work: Path, reference: str, username: str, password: str) -> Path:
-    """A containers-auth.json (mode 0600) with the credentials of ``reference``'s registry."""
-    host = reference.removeprefix("docker://").split("/", 1)[0]
-    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+def _write_registries_conf(work: Path, registry: str, mirror: RegistryMirror) -> Path:
+    """A containers-registries.conf (v2) naming ``mirror`` for ``registry``: skopeo tries the
+    mirror, then the registry itself."""
+    insecure = mirror.insecure or _loopback_host(mirror.location.split("/", 1)[0])
+    text = (
+        "unqualified-search-registries = []\n\n[[registry]]\n"
+        f"prefix = {json.dumps(registry)}\nlocation = {json.dumps(registry)}\n"
+        f"\n[[registry.mirror]]\nlocation = {json.dumps(mirror.location)}\n"
+        f"insecure = {'true' if insecure else 'false'}\n"
+    )
+    path = work / "registries.conf"
+    path.write_text(text)
+    return path
+
+
+def _write_authfile(work: Path, auths: dict[str, tuple[str, str]]) -> Path:
+    """A containers-auth.json (mode 0600) with the credentials of each registry host."""
+    entries = {
+        host: {"auth": base64.b64encode(f"{username}:{password}".encode()).decode()}
+        for host, (username, password) in auths.items()
+    }
     path = work / "auth.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"auths": {host: {"auth": token}}}, f)
+        json.dump({"auths": entries}, f)
     return path
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -42,6 +43,7 @@ import shutil
 import stat
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,12 +95,17 @@ class TemplateRecipe:
     kind: str = "debootstrap"
     suite: str = "bookworm"
     packages: tuple[str, ...] = ()
+    #: Installed with apt-get in the finished root (debootstrap's own resolver cannot install
+    #: packages with alternatives in their dependencies, npm's among them).
+    apt_packages: tuple[str, ...] = ()
     vcpus: int = 2
     memory_mb: int = 512
     disk_mb: int = 4096
 
 
 RECIPES: dict[str, TemplateRecipe] = {
+    # What E2B's base template (python:3.11 on Debian bookworm, plus Node.js, npm and yarn)
+    # offers agent code, from Debian's own archive: compilers, Node.js, pip and venv, git, curl.
     "base": TemplateRecipe(
         kind="debootstrap",
         suite="bookworm",
@@ -117,9 +124,36 @@ RECIPES: dict[str, TemplateRecipe] = {
             "less",
             "findutils",
         ),
+        apt_packages=(
+            "build-essential",
+            "python3-pip",
+            "python3-venv",
+            "python3-dev",
+            "nodejs",
+            "npm",
+            # Debian names yarn's command ``yarnpkg``; the recipe links ``yarn`` to it.
+            "yarnpkg",
+            "gh",
+            "wget",
+            "gnupg",
+            "openssh-client",
+            "unzip",
+            "xz-utils",
+        ),
     ),
     "busybox": TemplateRecipe(kind="busybox", suite="", vcpus=1, memory_mb=256, disk_mb=1024),
 }
+#: Bump when what a recipe build does changes in a way :class:`TemplateRecipe` does not show
+#: (``_configure_rootfs``): built templates of an older recipe are rebuilt.
+RECIPE_FORMAT = 2
+
+
+def recipe_digest(recipe: TemplateRecipe) -> str:
+    """What a recipe template's build is valid for: the recipe and the build's format. A template
+    built from another (or before this existed) is rebuilt by :func:`build_template`."""
+    fields = [RECIPE_FORMAT, recipe.kind, recipe.suite, sorted(recipe.packages), sorted(recipe.apt_packages)]
+    fields += [recipe.vcpus, recipe.memory_mb, recipe.disk_mb]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
 TEMPLATE_ID_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
@@ -161,10 +195,7 @@ def load_template(template_id: str, settings: Settings) -> TemplateImage:
     meta = read_metadata(template_id, settings)
     wanted = str(meta.get("build_id") or "")
     if tag is not None:
-        tags = meta.get("tags") or {}
-        if tag not in tags:
-            raise TemplateNotBuilt(f"template {template_id!r} has no build tagged {tag!r}")
-        wanted = str(tags[tag].get("build_id") or "")
+        wanted = _build_of_tag(template_id, tdir, meta, tag, settings)
     build_dir = tdir  # a recipe build (no build id), or the current one made before builds/
     if wanted and (tdir / BUILDS_DIR / wanted / COMPLETE_MARKER).is_file():
         build_dir = kept_build_dir(template_id, wanted, settings)
@@ -179,6 +210,31 @@ def load_template(template_id: str, settings: Settings) -> TemplateImage:
         disk_mb=int(meta.get("disk_mb", 4096)),
         runtime=meta.get("runtime"),
     )
+
+
+def _build_of_tag(template_id: str, tdir: Path, meta: dict[str, Any], tag: str, settings: Settings) -> str:
+    """The build id ``name:tag`` names: the tag's build; else, as E2B's, a build id itself (what
+    the SDK and Harbor create after a build: ``name:<build id>``); ``default`` of a recipe
+    template (it has no tags) is its current build. "" names the current recipe build."""
+    tags = meta.get("tags") or {}
+    if tag in tags:
+        return str(tags[tag].get("build_id") or "")
+    current = str(meta.get("build_id") or "")
+    if not current and tag in (DEFAULT_TAG, recipe_build_id(tdir)):
+        return ""
+    if tag == current or (
+        re.fullmatch(r"[A-Za-z0-9-]{1,64}", tag) and (tdir / BUILDS_DIR / tag / COMPLETE_MARKER).is_file()
+    ):
+        return tag
+    raise TemplateNotBuilt(f"template {template_id!r} has no build tagged {tag!r}")
+
+
+def recipe_build_id(tdir: Path) -> str:
+    """The build id of a recipe build (which has none of its own): derived from its completion
+    marker's timestamp, so each rebuild is a new build."""
+    marker = tdir / COMPLETE_MARKER
+    text = marker.read_text().strip() if marker.exists() else tdir.name
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "forkyard-template-build:" + text))
 
 
 def read_metadata(template_id: str, settings: Settings) -> dict[str, Any]:
@@ -597,6 +653,23 @@ def _debootstrap(recipe: TemplateRecipe, target: Path, mirror: str) -> None:
     )
 
 
+def _apt_install(root: Path, packages: tuple[str, ...]) -> None:
+    """apt-get install ``packages`` (without recommends) in the debootstrapped ``root``, from the
+    archive debootstrap used; with /proc mounted for the packages' scripts, no service started."""
+    policy = root / "usr/sbin/policy-rc.d"
+    policy.write_text("#!/bin/sh\nexit 101\n")
+    policy.chmod(0o755)
+    apt = ["chroot", str(root), "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-q", "-y"]
+    _run(["mount", "-t", "proc", "proc", str(root / "proc")])
+    try:
+        _run([*apt, "update"])
+        _run([*apt, "install", "--no-install-recommends", *packages])
+        _run([*apt, "clean"])
+    finally:
+        subprocess.run(["umount", "-l", str(root / "proc")], capture_output=True)
+        policy.unlink(missing_ok=True)
+
+
 def _busybox_rootfs(target: Path) -> None:
     """A root file system of one static busybox: no python, no libc, no package manager."""
     busybox = shutil.which("busybox")
@@ -626,6 +699,8 @@ def _populate(recipe: TemplateRecipe, target: Path) -> None:
         _busybox_rootfs(target)
     elif recipe.kind == "debootstrap":
         _debootstrap(recipe, target, host_debian_mirror())
+        if recipe.apt_packages:
+            _apt_install(target, recipe.apt_packages)
         _configure_rootfs(target)
     else:
         raise TemplateBuildFailed(f"unknown template recipe kind {recipe.kind!r}")
@@ -673,24 +748,62 @@ def _configure_rootfs(root: Path) -> None:
     if resolv.is_symlink() or resolv.exists():
         resolv.unlink()
     resolv.write_text("nameserver 1.1.1.1\nnameserver 8.8.8.8\n")
+    # E2B's base has ``yarn``; Debian installs it as ``yarnpkg``.
+    yarn = root / "usr/local/bin/yarn"
+    if (root / "usr/bin/yarnpkg").exists() and not yarn.exists():
+        yarn.symlink_to("/usr/bin/yarnpkg")
     # Mount point of the read-only envd bundle.
     (root / ".forkyard").mkdir(exist_ok=True)
+    _drop_documentation(root)
     for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
         for entry in (root / cache).glob("*"):
             if entry.is_file():
                 entry.unlink()
 
 
+def is_current(template_id: str, settings: Settings) -> bool:
+    """Built, and (a recipe template) from the recipe as it is now: nothing to rebuild."""
+    if not is_built(template_id, settings):
+        return False
+    recipe = RECIPES.get(template_id)
+    meta = read_metadata(template_id, settings)
+    return recipe is None or bool(meta.get("build_id")) or meta.get("recipe") == recipe_digest(recipe)
+
+
+#: What Debian's slim images leave out (a seventh of the base root); packages installed later
+#: in a sandbox skip them too (dpkg's path-exclude). Copyright files stay.
+_DPKG_EXCLUDES = """path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+"""
+
+
+def _drop_documentation(root: Path) -> None:
+    """Files only: the directories stay (some packages' scripts expect ``/usr/share/man/man1``)."""
+    for tree in ("usr/share/man", "usr/share/info", "usr/share/locale", "usr/share/doc"):
+        for dirpath, _dirs, files in os.walk(root / tree):
+            for name in files:
+                if name not in ("copyright", "locale.alias"):
+                    os.unlink(os.path.join(dirpath, name))
+    (root / "etc/dpkg/dpkg.cfg.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/dpkg/dpkg.cfg.d/forkyard-nodoc").write_text(_DPKG_EXCLUDES)
+
+
 def build_template(template_id: str, settings: Settings, *, force: bool = False) -> TemplateImage:
-    """Build ``template_id`` unless it is already completely built (then return at once)."""
+    """Build ``template_id`` unless it is already completely built from its recipe as it is now
+    (then return at once). A template built from an older recipe is rebuilt: its sandboxes keep
+    the old root (retired, freed once nothing names it), new ones get the new one."""
     recipe = RECIPES.get(template_id)
     tdir = template_dir(template_id, settings)
-    if not force and is_built(template_id, settings):
+    if not force and is_current(template_id, settings):
         return load_template(template_id, settings)
     if recipe is None:
         raise TemplateNotBuilt(f"no build recipe for template {template_id!r} (known: {', '.join(RECIPES)})")
     with _build_lock(tdir):
-        if not force and is_built(template_id, settings):  # built by someone else meanwhile
+        if not force and is_current(template_id, settings):  # built by someone else meanwhile
             return load_template(template_id, settings)
         started = time.monotonic()
         (tdir / COMPLETE_MARKER).unlink(missing_ok=True)
@@ -716,6 +829,7 @@ def build_template(template_id: str, settings: Settings, *, force: bool = False)
             "build_seconds": round(time.monotonic() - started, 1),
             "kind": recipe.kind,
             "suite": recipe.suite,
+            "recipe": recipe_digest(recipe),
         }
         write_json_atomic(tdir / METADATA_FILE, meta, indent=2)
         write_atomic(tdir / COMPLETE_MARKER, created_at + "\n")

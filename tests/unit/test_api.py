@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import itertools
+import json
 import os
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
@@ -197,7 +198,14 @@ async def test_create_get_kill(node: Node) -> None:
     assert_e2b_error(await node.client.delete(f"/sandboxes/{sid}"), 404)
     logs = (await node.client.get(f"/sandboxes/{sid}/logs")).json()
     assert any("created" in e["message"] for e in logs["logEntries"])
-    assert any("killed" in e["line"] for e in logs["logs"])
+    # Each v1 line is a JSON record with level and logger, as E2B's CLI (`e2b sandbox logs`)
+    # parses them (tests/system/test_e2b_cli.py runs the CLI itself).
+    records = [json.loads(e["line"]) for e in logs["logs"]]
+    assert all(r["level"] in ("debug", "info", "warn", "error") and r["sandboxID"] == sid for r in records)
+    assert any("killed" in r["message"] and r["logger"] == "orchestrator" for r in records)
+    assert {"logger": "envd", "message": "envd: listening"}.items() <= records[
+        [r["message"] for r in records].index("envd: listening")
+    ].items()
     v2 = (await node.client.get(f"/v2/sandboxes/{sid}/logs", params={"level": "info"})).json()
     assert v2["logs"] and all(e["level"] in ("info", "warn", "error") for e in v2["logs"])
 

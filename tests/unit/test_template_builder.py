@@ -321,3 +321,52 @@ def test_a_step_layer_is_the_base_with_the_overlay_layers_applied(settings: Sett
     assert not (root / "etc/gone").exists() and (base / "etc/gone").exists()
     assert sorted(p.name for p in (root / "opt/x").iterdir()) == ["new"]  # the opaque dir hid "old"
     assert os.listxattr(root / "opt/x") == [] and os.readlink(root / "link") == "etc/keep"
+
+
+def test_a_build_id_names_its_build_like_a_tag(settings: Settings) -> None:
+    """``name:<build id>`` (what Harbor creates after a build, E2B's) names that build, current
+    or kept; an unknown one is still refused."""
+    ids = ["5f0c4d2e-0000-4000-8000-000000000001", "5f0c4d2e-0000-4000-8000-000000000002"]
+    for build_id in ids:
+        staging = storage.build_staging("tpl", build_id, settings)
+        (staging / "rootfs").mkdir()
+        (staging / "rootfs" / "marker").write_text(build_id)
+        storage.publish_build("tpl", staging / "rootfs", {"build_id": build_id, "new_tags": []}, settings)
+    for build_id in ids:
+        info = templates.load(f"tpl:{build_id}", settings)
+        assert info.build_id == build_id and (info.image.rootfs / "marker").read_text() == build_id
+    with pytest.raises(templates.TemplateNotFound, match="no build tagged"):
+        templates.load("tpl:5f0c4d2e-0000-4000-8000-00000000ffff", settings)
+
+
+def _recipe_template(settings: Settings, template_id: str, meta: dict[str, Any]) -> None:
+    """A template as ``forkyard template build`` leaves it (no builds/, no tags), without debootstrap."""
+    tdir = settings.templates_dir / template_id
+    (tdir / "rootfs").mkdir(parents=True)
+    (tdir / storage.METADATA_FILE).write_text(json.dumps({"template_id": template_id, **meta}))
+    (tdir / storage.COMPLETE_MARKER).write_text("2026-12-06T00:00:00+00:00\n")
+
+
+def test_a_recipe_template_answers_default_and_its_build_id(settings: Settings) -> None:
+    _recipe_template(settings, "base", {"recipe": storage.recipe_digest(storage.RECIPES["base"])})
+    current = templates.load("base", settings)
+    assert templates.load("base:default", settings).image.rootfs == current.image.rootfs
+    assert templates.load(f"base:{current.build_id}", settings).build_id == current.build_id
+    with pytest.raises(templates.TemplateNotFound, match="no build tagged 'v9'"):
+        templates.load("base:v9", settings)
+
+
+def test_a_recipe_template_of_an_older_recipe_is_not_current(settings: Settings) -> None:
+    """``forkyard template build base`` (``make run``, ``make test``) rebuilds a base built from
+    another recipe: the recipe's digest is in its template.json."""
+    base = storage.RECIPES["base"]
+    _recipe_template(settings, "base", {})  # built before recipes had digests
+    assert storage.is_built("base", settings) and not storage.is_current("base", settings)
+    (settings.templates_dir / "base" / storage.METADATA_FILE).write_text(
+        json.dumps({"template_id": "base", "recipe": storage.recipe_digest(base)})
+    )
+    assert storage.is_current("base", settings)
+    # What the recipe installs is in the digest; E2B's base has Node.js, npm and compilers.
+    assert {"nodejs", "npm", "build-essential", "python3-pip"} <= set(base.apt_packages)
+    changed = storage.TemplateRecipe(packages=base.packages, apt_packages=(*base.apt_packages, "jq"))
+    assert storage.recipe_digest(changed) != storage.recipe_digest(base)

@@ -1,0 +1,112 @@
+"""A registry mirror for template builds: Debian's ``docker-registry`` on loopback with htpasswd
+authentication, holding images we make ourselves under the names Docker Hub gives them
+(``library/ubuntu:22.04``, ``library/busybox:latest``), so that ``FROM ubuntu:22.04`` and
+``from_image("docker.io/library/busybox")`` resolve through it (nodes are configured with
+``FORKYARD_REGISTRY_MIRRORS={"docker.io": ...}``). Docker Hub is not reachable here: a pull that
+works came from the mirror; each image also carries ``/mirror.txt`` to show it.
+
+    with mirror_registry() as mirror:   # mirror.host "127.0.0.1:<port>", mirror.settings_json
+
+The images are a static busybox with ``/mirror.txt`` (a second or so to pull); no pytest here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support import free_port
+from tests.support.auth_registry import _bcrypt, _wait_for_auth
+
+MIRROR_USER, MIRROR_PASSWORD = "mirror-reader", "mirror-s3cret"
+MIRRORED = ("library/ubuntu:22.04", "library/busybox:latest")
+MARKER = "served by the forkyard test mirror\n"
+
+
+@dataclass
+class MirrorRegistry:
+    host: str
+    log: Path
+
+    def mirrors(self, *, credentials: bool = True) -> dict[str, dict[str, str]]:
+        """``FORKYARD_REGISTRY_MIRRORS``' value mapping Docker Hub to this registry."""
+        entry = {"location": self.host}
+        if credentials:
+            entry |= {"username": MIRROR_USER, "password": MIRROR_PASSWORD}
+        return {"docker.io": entry}
+
+    def settings_json(self, *, credentials: bool = True) -> str:
+        return json.dumps(self.mirrors(credentials=credentials))
+
+
+@contextlib.contextmanager
+def mirror_registry() -> Iterator[MirrorRegistry]:
+    for tool in ("docker-registry", "umoci", "skopeo", "busybox"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} is not installed (scripts/bootstrap.sh --test installs it)")
+    work = Path(tempfile.mkdtemp(prefix="forkyard-mirror-"))
+    (work / "htpasswd").write_text(f"{MIRROR_USER}:{_bcrypt(MIRROR_PASSWORD)}\n")
+    port = free_port()
+    (work / "config.yml").write_text(
+        "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+        f"auth:\n  htpasswd:\n    realm: forkyard-mirror\n    path: {work / 'htpasswd'}\n"
+    )
+    log = open(work / "registry.log", "wb")
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(work / "config.yml")], stdout=log, stderr=subprocess.STDOUT
+    )
+    host = f"127.0.0.1:{port}"
+    try:
+        _wait_for_auth(f"http://{host}/v2/", proc)
+        layout = _busybox_image(work)
+        for name in MIRRORED:
+            subprocess.run(
+                [
+                    "skopeo", "copy", "--quiet", "--dest-tls-verify=false",
+                    "--dest-creds", f"{MIRROR_USER}:{MIRROR_PASSWORD}",
+                    f"oci:{layout}:img", f"docker://{host}/{name}",
+                ],
+                check=True,
+                capture_output=True,
+            )  # fmt: skip
+        yield MirrorRegistry(host, work / "registry.log")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _busybox_image(work: Path) -> Path:
+    """An OCI layout with one image: a static busybox (what the builder's provisioning needs:
+    ``/bin/sh``, ``adduser``), ``/mirror.txt`` and ``MIRRORED=yes`` in its config."""
+    layout, bundle = work / "layout", work / "bundle"
+    for cmd in (
+        ["umoci", "init", "--layout", str(layout)],
+        ["umoci", "new", "--image", f"{layout}:img"],
+        ["umoci", "unpack", "--image", f"{layout}:img", str(bundle)],
+    ):
+        subprocess.run(cmd, check=True, capture_output=True)
+    root = bundle / "rootfs"
+    for d in ("bin", "etc", "tmp", "root"):
+        (root / d).mkdir(exist_ok=True)
+    (root / "tmp").chmod(0o1777)
+    shutil.copy2(str(shutil.which("busybox")), root / "bin" / "busybox")
+    subprocess.run(["chroot", str(root), "/bin/busybox", "--install", "-s", "/bin"], check=True)
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (root / "etc/group").write_text("root:x:0:\n")
+    (root / "mirror.txt").write_text(MARKER)
+    for cmd in (
+        ["umoci", "repack", "--image", f"{layout}:img", str(bundle)],
+        ["umoci", "config", "--image", f"{layout}:img", "--config.env", "MIRRORED=yes"],
+    ):
+        subprocess.run(cmd, check=True, capture_output=True)
+    shutil.rmtree(bundle)
+    return layout
