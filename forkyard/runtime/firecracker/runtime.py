@@ -45,6 +45,7 @@ from forkyard.config import FirecrackerSettings, Settings
 from forkyard.errors import Failed, Unavailable
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
+from forkyard.runtime.firecracker.version import binary_version_problem
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import snapshot_disk
 from forkyard.runtime.microvm.runtime import (
@@ -279,6 +280,9 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
         binary = self.fc.binary
         if shutil.which(binary) is None:
             raise Unavailable(f"firecracker binary {binary!r} not found (see docs/KVM.md)")
+        problem = await asyncio.to_thread(binary_version_problem, binary)
+        if problem is not None:
+            raise Unavailable(f"{problem} (see docs/KVM.md)")
         # The child inherits the descriptor; the parent's copy is closed right after the spawn.
         console = await asyncio.to_thread(open, paths.console, "ab")
         try:
