@@ -111,7 +111,8 @@ arg() { tr ' ' '\n' < /proc/cmdline | sed -n "s/^$1=//p"; }
 echo "fy-l1: up $(cut -d' ' -f1 /proc/uptime)"
 for m in $(arg fy.boot | tr , ' '); do insmod /mods/$m.ko || echo "fy-l1: insmod $m failed"; done
 mkdir -p /host
-mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /host || { echo "fy-l1: 9p failed"; poweroff -f; }
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /host \
+  || { echo "fy-l1: 9p failed"; poweroff -f; }
 REL=$(uname -r); mkdir -p /lib/modules; ln -s /host$(arg fy.modules) /lib/modules/$REL
 for m in $(arg fy.node | tr , ' '); do modprobe $m || echo "fy-l1: modprobe $m failed"; done
 grep -q -w svm /proc/cpuinfo && echo "fy-l1: svm" ; ls -l /dev/kvm
@@ -230,9 +231,7 @@ def build_recipe(cache: Path = CACHE) -> Recipe:
     firecracker = firecracker_binary(cache)
     busybox = Path("/bin/busybox")
     key = hashlib.sha256(
-        json.dumps(
-            [RECIPE_VERSION, _sha256(deb), INIT, BOOT_MODULES, _sha256(busybox), FC_SHA256]
-        ).encode()
+        json.dumps([RECIPE_VERSION, _sha256(deb), INIT, BOOT_MODULES, _sha256(busybox), FC_SHA256]).encode()
     ).hexdigest()[:16]
     final = cache / key
     if not (final / "initramfs.cpio").is_file():
@@ -277,7 +276,11 @@ def _assemble(dest: Path, deb: Path, busybox: Path) -> None:
     (root / "init").chmod(0o755)
     listing = _run("find", ".", cwd=root)
     cpio = subprocess.run(
-        ["cpio", "-o", "-H", "newc", "--quiet"], input=listing.encode(), cwd=root, capture_output=True, check=True
+        ["cpio", "-o", "-H", "newc", "--quiet"],
+        input=listing.encode(),
+        cwd=root,
+        capture_output=True,
+        check=True,
     ).stdout
     (dest / "initramfs.cpio").write_bytes(cpio)
     shutil.rmtree(root)
@@ -310,6 +313,7 @@ class KvmHost:
     boot_s: float = 0.0
 
     DATA_DIR = "/tmp/fy/data"
+    TEMPLATES = "/tmp/fy/templates"
 
     @property
     def url(self) -> str:
@@ -389,7 +393,9 @@ class KvmHost:
         qemu = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(session / "qemu.err", "wb")
         )
-        host = cls(session, qemu, port, agent_port, token, "e2b_kvmhost_" + secrets.token_hex(8), recipe, images)
+        host = cls(
+            session, qemu, port, agent_port, token, "e2b_kvmhost_" + secrets.token_hex(8), recipe, images
+        )
         host._t0 = time.monotonic()
         return host
 
@@ -406,7 +412,9 @@ class KvmHost:
                 if self.exec("true", timeout=10)["rc"] == 0:
                     return
             if time.monotonic() > deadline:
-                raise KvmHostUnavailable(f"L1's agent did not answer in {BOOT_TIMEOUT:.0f} s:\n{self.console_tail()}")
+                raise KvmHostUnavailable(
+                    f"L1's agent did not answer in {BOOT_TIMEOUT:.0f} s:\n{self.console_tail()}"
+                )
             time.sleep(1)
 
     def exec(self, script: str, timeout: float = 300) -> dict[str, object]:
@@ -442,7 +450,7 @@ class KvmHost:
     def node_env(self, extra: dict[str, str]) -> dict[str, str]:
         return {
             "FORKYARD_DATA_DIR": self.DATA_DIR,
-            "FORKYARD_TEMPLATES_PATH": str(SHARED_TEMPLATES),
+            "FORKYARD_TEMPLATES_PATH": self.TEMPLATES,
             "FORKYARD_API_KEYS": json.dumps([self.api_key]),
             "FORKYARD_RUNTIME": "firecracker",
             "FORKYARD_FIRECRACKER__FIRECRACKER_PATH": str(self.recipe.firecracker),
@@ -462,6 +470,13 @@ class KvmHost:
         self.check(
             f"mkdir -p {images} && for d in debs kernel rootfs envd; do "
             f"[ -e {images}/$d ] || ln -s {self.images}/$d {images}/$d; done"
+        )
+        # The shared template cache is read-only in L1 (9p) and the node takes locks in it: a
+        # writable copy of each template's small files, its rootfs a link to the shared one.
+        self.check(
+            f"for t in {SHARED_TEMPLATES}/*/; do n=$(basename $t); d={self.TEMPLATES}/$n; "
+            f"[ -e $d ] && continue; mkdir -p $d; for f in $t* $t.[!.]*; do [ -e $f ] || continue; "
+            "case $(basename $f) in rootfs) ln -s $f $d/rootfs;; .lock) ;; *) cp -a $f $d/;; esac; done; done"
         )
         self.check(
             f". {self.session}/node.env && cd {REPO} && setsid nohup {REPO}/.venv/bin/python -m "
@@ -514,7 +529,7 @@ class KvmHost:
 def main() -> int:
     """``make kvm-host``: boot it, print how to reach it, keep it until Ctrl-C."""
     with KvmHost.boot() as host:
-        print(f"emulated KVM host up in {host.boot_s:.0f} s; node with FORKYARD_RUNTIME=firecracker at {host.url}")
+        print(f"emulated KVM host up in {host.boot_s:.0f} s; the node (runtime firecracker) at {host.url}")
         print(f"  export E2B_API_URL={host.url} E2B_SANDBOX_URL={host.url} E2B_API_KEY={host.api_key}")
         print(f"  node log: {host.server_log}; L1 console: {host.console}. Ctrl-C stops it.")
         with contextlib.suppress(KeyboardInterrupt):

@@ -19,7 +19,7 @@ PORT = 7000
 
 def make_handler(token: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:
             if self.headers.get("Authorization") != f"Bearer {token}" or self.path != "/exec":
                 self.send_error(403)
                 return
@@ -41,7 +41,7 @@ def make_handler(token: str) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
     return Handler
@@ -51,7 +51,7 @@ def main() -> int:
     session = Path(sys.argv[1])
     token = (session / "token").read_text().strip()
     print("fy-l1: agent listening", flush=True)
-    ThreadingHTTPServer(("0.0.0.0", PORT), make_handler(token)).serve_forever()  # noqa: S104 - L1's own NIC
+    ThreadingHTTPServer(("0.0.0.0", PORT), make_handler(token)).serve_forever()
     return 0
 
 

@@ -58,7 +58,9 @@ def _run(sbx: Sandbox, cmd: str) -> str:
 
 
 def _log_lines(host: KvmHost, pattern: str) -> list[str]:
-    return [line for line in host.server_log.read_text(errors="replace").splitlines() if re.search(pattern, line)]
+    return [
+        line for line in host.server_log.read_text(errors="replace").splitlines() if re.search(pattern, line)
+    ]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
@@ -68,8 +70,14 @@ def test_cold_boot_commands_files_pty_kill(kvm_host: KvmHost) -> None:
     sbx = _create(kvm_host)
     try:
         assert "cloud-amd64" in _run(sbx, "uname -r")
-        assert "KVM" in _run(sbx, "cat /sys/devices/system/clocksource/clocksource0/available_clocksource; "
-                                  "dmesg | grep -m1 -o 'Hypervisor detected: KVM' || true").upper()
+        assert (
+            "KVM"
+            in _run(
+                sbx,
+                "cat /sys/devices/system/clocksource/clocksource0/available_clocksource; "
+                "dmesg | grep -m1 -o 'Hypervisor detected: KVM' || true",
+            ).upper()
+        )
         sbx.files.write("/home/user/hello.txt", "from the SDK", request_timeout=SLOW)
         assert sbx.files.read("/home/user/hello.txt", request_timeout=SLOW) == "from the SDK"
         assert _run(sbx, "cat /home/user/hello.txt") == "from the SDK"

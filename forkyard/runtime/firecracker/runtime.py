@@ -45,7 +45,7 @@ from forkyard.config import FirecrackerSettings, Settings
 from forkyard.errors import Failed, Unavailable
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
-from forkyard.runtime.firecracker.version import binary_version_problem
+from forkyard.runtime.firecracker.version import binary_version, binary_version_problem
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import snapshot_disk
 from forkyard.runtime.microvm.runtime import (
@@ -115,7 +115,14 @@ def fc_paths(settings: Settings, sandbox_id: str) -> FcPaths:
 
 
 def boot_requests(
-    images: GuestImages, paths: FcPaths, *, vcpus: int, memory_mb: int, kernel: Path, boot_args: str
+    images: GuestImages,
+    paths: FcPaths,
+    *,
+    vcpus: int,
+    memory_mb: int,
+    kernel: Path,
+    boot_args: str,
+    level: api.ApiLevel = api.NEWEST,
 ) -> list[api.ApiRequest]:
     """Everything sent before InstanceStart, in order."""
     return [
@@ -128,12 +135,14 @@ def boot_requests(
         api.drive("envd", str(images.envd), read_only=True),
         api.network_interface("eth0", vmnet.TAP_NAME, vmnet.GUEST_MAC),
         api.vsock(paths.vsock),
-        api.balloon(0),
+        api.balloon(0, level=level),
         api.instance_start(),
     ]
 
 
-def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.ApiRequest]:
+def restore_requests(
+    paths: FcPaths, source: Path, *, uffd: bool, level: api.ApiLevel = api.NEWEST
+) -> list[api.ApiRequest]:
     backend = paths.uffd_socket if uffd else source / SNAPSHOT_MEMORY
     return [
         api.logger(paths.log),
@@ -143,6 +152,7 @@ def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.Ap
             backend,
             backend_type="Uffd" if uffd else "File",
             resume=True,
+            level=level,
         ),
     ]
 
@@ -261,6 +271,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     async def _start_requests(
         self, boot: Boot, paths: FcPaths, state: dict[str, Any]
     ) -> list[api.ApiRequest]:
+        level = await asyncio.to_thread(self.api_level)
         if boot.snapshot is None:
             return boot_requests(
                 boot.images,
@@ -269,11 +280,17 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 memory_mb=boot.memory_mb,
                 kernel=self.kernel(boot.images),
                 boot_args=self.boot_args(boot.images),
+                level=level,
             )
         if self.fc.uffd:
             state["uffd_pid"] = await self._start_uffd_handler(paths, boot.snapshot.path / SNAPSHOT_MEMORY)
             write_marker(paths, state)
-        return restore_requests(paths, boot.snapshot.path, uffd=self.fc.uffd)
+        return restore_requests(paths, boot.snapshot.path, uffd=self.fc.uffd, level=level)
+
+    def api_level(self) -> api.ApiLevel:
+        """What the configured binary's release accepts (checked supported at its start)."""
+        version = binary_version(self.fc.binary)
+        return api.ApiLevel(version) if version is not None else api.NEWEST
 
     async def _spawn(self, net: SandboxNetwork, paths: FcPaths) -> int:
         """Start the VMM in the sandbox's netns, cwd = its drive directory (see module doc)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import subprocess
 
 #: (major, minor) of the oldest and the newest supported release, both included.
@@ -39,19 +40,29 @@ def version_problem(output: str) -> str | None:
 
 def binary_version_problem(binary: str) -> str | None:
     """None when the firecracker at ``binary`` (a path or a name on PATH) is a supported release."""
+    return version_problem(_version_output(*_file_key(binary)))
+
+
+def binary_version(binary: str) -> tuple[int, int, int] | None:
+    """The release of the firecracker at ``binary``, None when it does not say."""
+    return parse_version(_version_output(*_file_key(binary)))
+
+
+def _file_key(binary: str) -> tuple[str, int, int]:
+    """A replaced binary (another inode or mtime) is asked again."""
+    path = shutil.which(binary) or binary
     try:
-        st = os.stat(binary)
-        key = (binary, st.st_ino, st.st_mtime_ns)
+        st = os.stat(path)
     except OSError:
-        key = (binary, 0, 0)
-    return _checked(*key)
+        return path, 0, 0
+    return path, st.st_ino, st.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=8)
-def _checked(binary: str, _inode: int, _mtime_ns: int) -> str | None:
-    """Asked once per binary file (the start-up probe and every VMM start)."""
+def _version_output(binary: str, _inode: int, _mtime_ns: int) -> str:
+    """``firecracker --version``, asked once per binary file (the start-up probe, every VMM start)."""
     try:
         proc = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"firecracker --version failed: {exc}"
-    return version_problem(proc.stdout + proc.stderr)
+    return proc.stdout + proc.stderr
