@@ -287,12 +287,16 @@ def _assemble(dest: Path, deb: Path, busybox: Path) -> None:
 
 
 def guest_images_dir(cache: Path = CACHE) -> Path:
-    """The microVM artifacts, built here (native speed) and read by the node in L1 over 9p."""
+    """The microVM artifacts (kernel, base and envd drives), built here at native speed and read
+    by the node in L1 over 9p, with the envd bundle they were built from (``envd-runtime``, next
+    to ``images``). The empty upper drive is left to L1: it is cloned inside L1's pool."""
     from forkyard.config import Settings
-    from forkyard.storage.images import build_guest_images, images_dir
+    from forkyard.storage.images import build_base_image, build_envd_image, build_kernel, images_dir
 
     settings = Settings(data_dir=cache / "guest", templates_path=SHARED_TEMPLATES)
-    build_guest_images(settings, "base", SHARED_TEMPLATES / "base" / "rootfs")
+    build_kernel(settings)
+    build_base_image(settings, "base", SHARED_TEMPLATES / "base" / "rootfs")
+    build_envd_image(settings)
     return images_dir(settings)
 
 
@@ -469,7 +473,8 @@ class KvmHost:
         images = f"{self.DATA_DIR}/images"
         self.check(
             f"mkdir -p {images} && for d in debs kernel rootfs envd; do "
-            f"[ -e {images}/$d ] || ln -s {self.images}/$d {images}/$d; done"
+            f"[ -e {images}/$d ] || ln -s {self.images}/$d {images}/$d; done; "
+            f"[ -e {self.DATA_DIR}/envd-runtime ] || ln -s {self.images.parent}/envd-runtime {self.DATA_DIR}/"
         )
         # The shared template cache is read-only in L1 (9p) and the node takes locks in it: a
         # writable copy of each template's small files, its rootfs a link to the shared one.
