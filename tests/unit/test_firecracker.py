@@ -38,7 +38,7 @@ from forkyard.runtime.microvm import runtime as microvm_runtime
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage import atomic
-from forkyard.storage.images import GuestImages, GuestKernel
+from forkyard.storage.images import GuestImages, GuestKernel, init_script
 from forkyard.storage.reflink import ReflinkPool
 from forkyard.types import SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import TESTS
@@ -608,3 +608,21 @@ def test_uffd_region_page_size_kib_is_in_bytes() -> None:
     item = {"base_host_virt_addr": 4096, "size": 8192, "offset": 0}
     assert GuestRegion.from_json(item | {"page_size_kib": 4096}).page_size == 4096
     assert GuestRegion.from_json(item | {"page_size": 4096, "page_size_kib": 4096}).page_size == 4096
+
+
+def test_boot_args_name_each_drive_by_the_serial_firecracker_gives_it(tmp_path: Path) -> None:
+    """Firecracker's virtio-blk serial is the file's dev, rdev and inode (not the drive id, which
+    the guest never sees): the guest's init finds base, upper and envd by what the cmdline says."""
+    images = _images(tmp_path)
+    paths = fc_paths(Settings(data_dir=tmp_path), "sb-serial")
+    for f in (images.base, images.envd, paths.upper):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"\0" * 512)
+    args = FirecrackerRuntime(Settings(data_dir=tmp_path)).boot_args(images, paths).split()
+    serials = dict(
+        a.removeprefix("forkyard.serial.").split("=") for a in args if a.startswith("forkyard.serial.")
+    )
+    st = paths.upper.stat()
+    assert serials["upper"] == f"{st.st_dev}{st.st_rdev}{st.st_ino}"[:20]
+    assert set(serials) == {"base", "upper", "envd"} and len(set(serials.values())) == 3
+    assert "forkyard.serial.$1=" in init_script()  # the init reads them

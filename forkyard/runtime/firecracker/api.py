@@ -8,6 +8,7 @@ so that tests can check every body the runtime sends against that schema without
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +85,9 @@ def boot_source(kernel: Path, initrd: Path, boot_args: str) -> ApiRequest:
 
 
 def drive(drive_id: str, path: str, *, read_only: bool) -> ApiRequest:
-    """A virtio-blk drive. The guest finds it by ``drive_id``, which Firecracker reports as the
-    virtio-blk serial (VIRTIO_BLK_T_GET_ID). ``path`` may be relative to the VMM's cwd: snapshots
-    record it verbatim, so each restored VM opens its own copy of the upper drive."""
+    """A virtio-blk drive. ``path`` may be relative to the VMM's cwd: snapshots record it
+    verbatim, so each restored VM opens its own copy of the upper drive. The guest does not see
+    ``drive_id``: Firecracker's virtio-blk serial is derived from the file (:func:`blk_serial`)."""
     body = {
         "drive_id": drive_id,
         "path_on_host": path,
@@ -96,6 +97,14 @@ def drive(drive_id: str, path: str, *, read_only: bool) -> ApiRequest:
         "io_engine": "Sync",
     }
     return ApiRequest("PUT", f"/drives/{drive_id}", body, "Drive")
+
+
+def blk_serial(path: Path) -> str:
+    """The serial the guest reads from a Firecracker virtio-blk drive (VIRTIO_BLK_T_GET_ID):
+    the file's device, rdev and inode numbers, concatenated in decimal, cut to 20 bytes (what
+    Firecracker's ``build_device_id`` does, after kvmtool)."""
+    st = os.stat(path)
+    return f"{st.st_dev}{st.st_rdev}{st.st_ino}"[:20]
 
 
 def network_interface(iface_id: str, tap: str, guest_mac: str) -> ApiRequest:

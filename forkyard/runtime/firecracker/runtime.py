@@ -221,10 +221,15 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
             return self.fc.pvm_kernel
         return self.fc.kernel or images.kernel.vmlinux
 
-    def boot_args(self, images: GuestImages) -> str:
+    def boot_args(self, images: GuestImages, paths: FcPaths | None = None) -> str:
         gateway, guest = vmnet.guest_addresses(self.settings)
         # Firecracker has no PCI bus and no i8042; the kernel must not wait for either.
-        return images.cmdline(guest, gateway) + " pci=off i8042.noaux i8042.nomux i8042.dumbkbd"
+        args = images.cmdline(guest, gateway) + " pci=off i8042.noaux i8042.nomux i8042.dumbkbd"
+        if paths is not None:
+            # The guest's init finds its drives by serial; Firecracker's serials come from the files.
+            drives = {"base": images.base, "upper": paths.upper, "envd": images.envd}
+            args += "".join(f" forkyard.serial.{name}={api.blk_serial(p)}" for name, p in drives.items())
+        return args
 
     def paths(self, sandbox_id: str) -> FcPaths:
         return FcPaths.of(self.settings, sandbox_id)
@@ -279,7 +284,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 vcpus=boot.vcpus,
                 memory_mb=boot.memory_mb,
                 kernel=self.kernel(boot.images),
-                boot_args=self.boot_args(boot.images),
+                boot_args=self.boot_args(boot.images, paths),
                 level=level,
             )
         if self.fc.uffd:
