@@ -477,9 +477,10 @@ class KvmHost:
             f"[ -e {self.DATA_DIR}/envd-runtime ] || ln -s {self.images.parent}/envd-runtime {self.DATA_DIR}/"
         )
         # The shared template cache is read-only in L1 (9p) and the node takes locks in it: a
-        # writable copy of each template's small files, its rootfs a link to the shared one.
+        # writable copy of the base template's small files, its rootfs a link to the shared one
+        # (only base: other templates' build directories are large).
         self.check(
-            f"for t in {SHARED_TEMPLATES}/*/; do n=$(basename $t); d={self.TEMPLATES}/$n; "
+            f"for t in {SHARED_TEMPLATES}/base/; do n=$(basename $t); d={self.TEMPLATES}/$n; "
             f"[ -e $d ] && continue; mkdir -p $d; for f in $t* $t.[!.]*; do [ -e $f ] || continue; "
             "case $(basename $f) in rootfs) ln -s $f $d/rootfs;; .lock) ;; *) cp -a $f $d/;; esac; done; done"
         )
