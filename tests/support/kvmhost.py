@@ -359,6 +359,13 @@ class KvmHost:
         finally:
             if host is not None:
                 host.shutdown()
+            # The logs of the last run stay readable after the session is gone.
+            last = Path(tempfile.gettempdir()) / "fy-kvmhost-last"
+            shutil.rmtree(last, ignore_errors=True)
+            last.mkdir()
+            for name in ("server.log", "console.log", "qemu.err"):
+                with contextlib.suppress(OSError):
+                    shutil.copy2(session / name, last / name)
             shutil.rmtree(session, ignore_errors=True)
 
     @classmethod
@@ -461,6 +468,8 @@ class KvmHost:
             # Everything in L1, the microVMs included, runs on one emulated CPU.
             "FORKYARD_FIRECRACKER__BOOT_TIMEOUT": "600",
             "FORKYARD_WARM_POOL_HIGH": "0",
+            # A pause writes the VM's memory and state at once (a snapshot), not after 120 s frozen.
+            "FORKYARD_PAUSE_FREEZE": "false",
             "FORKYARD_TLS_PORT": "0",
             "FORKYARD_MAX_UPLOAD_BYTES": str(64 << 20),
             **extra,
