@@ -353,6 +353,7 @@ class KvmHost:
         try:
             host = cls._start(session, recipe, images)
             host._wait_agent()
+            host._check_kvm()
             host.start_server(node_env or {})
             host.boot_s = time.monotonic() - host._t0
             yield host
@@ -427,6 +428,15 @@ class KvmHost:
                     f"L1's agent did not answer in {BOOT_TIMEOUT:.0f} s:\n{self.console_tail()}"
                 )
             time.sleep(1)
+
+    def _check_kvm(self) -> None:
+        """L1 must have AMD SVM and a /dev/kvm (kvm_amd loaded): else this QEMU cannot nest."""
+        result = self.exec("grep -q -w svm /proc/cpuinfo && test -c /dev/kvm")
+        if result["rc"] != 0:
+            raise KvmHostUnavailable(
+                "QEMU gave the outer guest no AMD SVM or kvm_amd did not load (no /dev/kvm):\n"
+                + self.console_tail()
+            )
 
     def exec(self, script: str, timeout: float = 300) -> dict[str, object]:
         """Run ``sh -c script`` as root in L1 (chrooted into this machine's root); rc and output."""
