@@ -57,6 +57,16 @@ def _run(sbx: Sandbox, cmd: str) -> str:
     return sbx.commands.run(cmd, timeout=SLOW, request_timeout=SLOW).stdout
 
 
+def _vmm_rss_mib(host: KvmHost, sbx: Sandbox) -> float:
+    """Resident memory of the sandbox's VMM in L1: the guest pages it has faulted in (File: mapped
+    from the snapshot; Uffd: copied in by our page server). Printed for docs/KVM.md."""
+    out = host.check(
+        f"for p in $(pgrep -x firecracker); do "
+        f"grep -q {sbx.sandbox_id} /proc/$p/cmdline && ps -o rss= -p $p; done"
+    )
+    return int(out.split()[0]) / 1024
+
+
 def _log_lines(host: KvmHost, pattern: str) -> list[str]:
     return [
         line for line in host.server_log.read_text(errors="replace").splitlines() if re.search(pattern, line)
@@ -112,6 +122,7 @@ def test_pause_resume_snapshots_full_diff_and_file_restore(kvm_host: KvmHost) ->
         assert [re.search(r"\((Full|Diff)\)", k).group(1) for k in kinds][-2:] == ["Full", "Diff"]  # type: ignore[union-attr]
         child = _create(kvm_host, second.snapshot_id)
         assert_state_continues(child, before, timeout=SLOW, request_timeout=SLOW)
+        print(f"File-backed child: VMM RSS {_vmm_rss_mib(kvm_host, child):.0f} MiB")
         assert _log_lines(kvm_host, rf"firecracker {child.sandbox_id}: restore in")
         for snap in (first, second):
             Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=SLOW, **kvm_host.sdk_opts)
@@ -137,6 +148,7 @@ def test_server_restart_with_microvms_running_then_uffd_fork(kvm_host: KvmHost) 
         snap = sbx.create_snapshot(request_timeout=SLOW)
         child = _create(kvm_host, snap.snapshot_id)
         assert_state_continues(child, before, timeout=SLOW, request_timeout=SLOW)
+        print(f"Uffd-backed child: VMM RSS {_vmm_rss_mib(kvm_host, child):.0f} MiB")
         assert "uffd" in kvm_host.check("ps -eo args | grep -c '[f]irecracker.uffd' && echo uffd")
         Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=SLOW, **kvm_host.sdk_opts)
     finally:
