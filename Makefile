@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 FORKYARD := .venv/bin/forkyard
 
-.PHONY: run test test-unit bench bootstrap template lint proto clean
+.PHONY: run test test-unit bench bootstrap template lint proto clean kvm-host
 
 # One lint recipe for `make lint` and `make test`.
 define LINT
@@ -39,6 +39,11 @@ $(PY):
 	python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
 	touch .venv/.forkyard-installed
+
+# An emulated KVM host (QEMU TCG with AMD SVM, Debian's kernel with kvm_amd) running the node with
+# real Firecracker microVMs; its API on a loopback port (printed). Root; Ctrl-C stops it. docs/KVM.md.
+kvm-host: template
+	PYTHONPATH=$(CURDIR) $(PY) -m tests.support.kvmhost
 
 bench: template
 	$(PY) -m bench $(BENCH_ARGS)

@@ -12,6 +12,7 @@ import shutil
 from forkyard.config import Settings
 from forkyard.errors import Invalid
 from forkyard.runtime.base import Runtime
+from forkyard.runtime.firecracker.version import binary_version_problem
 from forkyard.runtime.kvm import kvm_unusable_reason
 from forkyard.types import RUNTIME_NAMES, RuntimeName
 
@@ -49,6 +50,8 @@ def firecracker_unusable_reason(settings: Settings) -> str | None:
     problems = []
     if shutil.which(fc.binary) is None:
         problems.append(f"firecracker binary {fc.binary!r} not found")
+    elif (version := binary_version_problem(fc.binary)) is not None:
+        problems.append(version)
     if fc.pvm and (fc.pvm_kernel is None or not fc.pvm_kernel.is_file()):
         problems.append("PVM mode needs FORKYARD_FIRECRACKER__PVM_KERNEL, an existing PVM guest vmlinux")
     kvm_reason = kvm_unusable_reason(pvm=fc.pvm)

@@ -297,11 +297,20 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 fail() { echo "forkyard-init: $*" > /dev/console; sleep 1; echo o > /proc/sysrq-trigger; poweroff -f; }
 for m in $(cat /modules.order); do insmod "/modules/$m" || fail "insmod $m"; done
-# Drives are found by their virtio serial (the device order is not stable across machines).
+# Drives are found by their virtio serial (the device order is not stable across machines): the
+# drive's name (QEMU), or what forkyard.serial.<name>= says (Firecracker derives serials from the
+# host file, the runtime computes them).
+serial_of() {
+  for arg in $(cat /proc/cmdline); do
+    case "$arg" in forkyard.serial.$1=*) echo "${arg#*=}"; return 0 ;; esac
+  done
+  echo "$1"
+}
 drive() {
+  want=$(serial_of "$1")
   for i in $(seq 1 200); do
     for b in /sys/block/vd*; do
-      [ -e "$b/serial" ] && [ "$(cat $b/serial)" = "$1" ] && { echo "/dev/${b##*/}"; return 0; }
+      [ -e "$b/serial" ] && [ "$(cat $b/serial)" = "$want" ] && { echo "/dev/${b##*/}"; return 0; }
     done
     usleep 10000
   done

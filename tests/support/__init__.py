@@ -10,6 +10,8 @@
   pause, snapshot, fork or server restart.
 * :mod:`tests.support.loopback` - a loopback "runtime" whose sandboxes are plain HTTP servers
   (the API-layer unit tests).
+* :mod:`tests.support.kvmhost` - an emulated KVM host (QEMU TCG with AMD SVM) running the node
+  with real Firecracker microVMs (``make kvm-host``; :mod:`tests.support.kvmhost_agent` runs in it).
 * :mod:`tests.support.fixtures` - the shared pytest fixtures (loaded by tests/conftest.py through
   ``pytest_plugins``; never import fixtures by hand).
 

@@ -38,7 +38,7 @@ from forkyard.runtime.microvm import runtime as microvm_runtime
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage import atomic
-from forkyard.storage.images import GuestImages, GuestKernel
+from forkyard.storage.images import GuestImages, GuestKernel, init_script
 from forkyard.storage.reflink import ReflinkPool
 from forkyard.types import SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import TESTS
@@ -583,3 +583,46 @@ async def test_state_files_are_written_whole(fake_host: FakeHost, monkeypatch: p
     assert [p.name for p in paths.root.iterdir() if p.name.endswith(".tmp")] == []
     await runtime.kill(instance)
     assert not await runtime.is_alive(instance) and not paths.root.exists()
+
+
+def test_bodies_follow_the_binary_release(spec_doc: dict[str, Any], tmp_path: Path) -> None:
+    """Firecracker rejects fields newer than itself: v1.12 gets no ``free_page_reporting`` and the
+    old name of the load's dirty-page flag; both bodies still fit the newest schema."""
+    old = api.ApiLevel((1, 12, 1))
+    balloon = api.balloon(0, level=old)
+    assert balloon.body is not None and "free_page_reporting" not in balloon.body
+    assert api.balloon(0).body is not None and api.balloon(0).body["free_page_reporting"] is True
+    paths = fc_paths(Settings(data_dir=tmp_path), "sb-level")
+    load = restore_requests(paths, tmp_path / "snap", uffd=False, level=old)[-1].body
+    assert load is not None and load["enable_diff_snapshots"] is True and "track_dirty_pages" not in load
+    assert api.ApiLevel((1, 13, 0)).load_dirty_pages_field == "track_dirty_pages"
+    for request in (balloon, restore_requests(paths, tmp_path / "snap", uffd=True, level=old)[-1]):
+        _validate(spec_doc, request)
+
+
+def test_uffd_region_page_size_kib_is_in_bytes() -> None:
+    """Firecracker's deprecated ``page_size_kib`` carries bytes despite its name (v1.12 sends
+    both; a release sending only it must not make 4 MiB pages of 4 KiB ones)."""
+    from forkyard.runtime.firecracker.uffd import GuestRegion
+
+    item = {"base_host_virt_addr": 4096, "size": 8192, "offset": 0}
+    assert GuestRegion.from_json(item | {"page_size_kib": 4096}).page_size == 4096
+    assert GuestRegion.from_json(item | {"page_size": 4096, "page_size_kib": 4096}).page_size == 4096
+
+
+def test_boot_args_name_each_drive_by_the_serial_firecracker_gives_it(tmp_path: Path) -> None:
+    """Firecracker's virtio-blk serial is the file's dev, rdev and inode (not the drive id, which
+    the guest never sees): the guest's init finds base, upper and envd by what the cmdline says."""
+    images = _images(tmp_path)
+    paths = fc_paths(Settings(data_dir=tmp_path), "sb-serial")
+    for f in (images.base, images.envd, paths.upper):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"\0" * 512)
+    args = FirecrackerRuntime(Settings(data_dir=tmp_path)).boot_args(images, paths).split()
+    serials = dict(
+        a.removeprefix("forkyard.serial.").split("=") for a in args if a.startswith("forkyard.serial.")
+    )
+    st = paths.upper.stat()
+    assert serials["upper"] == f"{st.st_dev}{st.st_rdev}{st.st_ino}"[:20]
+    assert set(serials) == {"base", "upper", "envd"} and len(set(serials.values())) == 3
+    assert "forkyard.serial.$1=" in init_script()  # the init reads them

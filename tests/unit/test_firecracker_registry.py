@@ -7,9 +7,10 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from forkyard.config import QemuSettings, Settings
+from forkyard.config import FirecrackerSettings, QemuSettings, Settings
 from forkyard.errors import Invalid, http_status
 from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
+from forkyard.runtime.firecracker.version import binary_version_problem
 from forkyard.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
 from forkyard.runtime.registry import (
     firecracker_unusable_reason,
@@ -81,3 +82,34 @@ def test_firecracker_pvm_mode_needs_its_own_binary(tmp_path: Path, monkeypatch: 
     assert reason is not None and "no-such-firecracker-pvm" in reason
     assert "FORKYARD_FIRECRACKER__PVM_KERNEL" in reason
     assert FirecrackerRuntime(settings).probe() == reason
+
+
+def _fake_firecracker(tmp_path: Path, printed: str) -> Path:
+    """An executable that answers ``--version`` like a firecracker release would."""
+    binary = tmp_path / f"firecracker-{abs(hash(printed))}"
+    binary.write_text(f"#!/bin/sh\necho '{printed}'\n")
+    binary.chmod(0o755)
+    return binary
+
+
+@pytest.mark.parametrize(
+    ("printed", "problem"),
+    [
+        ("Firecracker v1.12.1", None),
+        ("Firecracker v1.17.0", None),
+        ("Firecracker v1.7.0", "v1.7.0 is not supported"),
+        ("Firecracker v2.0.0", "v2.0.0 is not supported"),
+        ("something else", "printed no version"),
+    ],
+)
+def test_firecracker_binary_of_an_unsupported_version_is_refused(
+    tmp_path: Path, printed: str, problem: str | None
+) -> None:
+    binary = _fake_firecracker(tmp_path, printed)
+    assert (binary_version_problem(str(binary)) is None) == (problem is None)
+    settings = Settings(data_dir=tmp_path, firecracker=FirecrackerSettings(firecracker_path=str(binary)))
+    reason = firecracker_unusable_reason(settings)
+    if problem is not None:
+        assert reason is not None and problem in reason
+    else:
+        assert reason is None or "not supported" not in reason

@@ -8,6 +8,7 @@ so that tests can check every body the runtime sends against that schema without
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,29 @@ from forkyard.runtime.microvm.host import Alive
 
 SnapshotType = Literal["Full", "Diff"]
 MemoryBackendType = Literal["File", "Uffd"]
+
+
+@dataclass(frozen=True)
+class ApiLevel:
+    """What one Firecracker release accepts where forkyard's request bodies depend on it: its API
+    structs reject unknown fields, so a field newer than the binary fails the whole request."""
+
+    version: tuple[int, int, int] = (1, 17, 0)
+
+    @property
+    def free_page_reporting(self) -> bool:
+        """The balloon's ``free_page_reporting`` (v1.14 and newer)."""
+        return self.version[:2] >= (1, 14)
+
+    @property
+    def load_dirty_pages_field(self) -> str:
+        """``/snapshot/load``'s dirty-page tracking flag: ``track_dirty_pages`` from v1.13 (the old
+        name is deprecated there), ``enable_diff_snapshots`` before."""
+        return "track_dirty_pages" if self.version[:2] >= (1, 13) else "enable_diff_snapshots"
+
+
+#: The newest release whose schema the bodies are checked against (tests/data/firecracker).
+NEWEST = ApiLevel()
 
 
 class FirecrackerApiError(Failed):
@@ -61,9 +85,9 @@ def boot_source(kernel: Path, initrd: Path, boot_args: str) -> ApiRequest:
 
 
 def drive(drive_id: str, path: str, *, read_only: bool) -> ApiRequest:
-    """A virtio-blk drive. The guest finds it by ``drive_id``, which Firecracker reports as the
-    virtio-blk serial (VIRTIO_BLK_T_GET_ID). ``path`` may be relative to the VMM's cwd: snapshots
-    record it verbatim, so each restored VM opens its own copy of the upper drive."""
+    """A virtio-blk drive. ``path`` may be relative to the VMM's cwd: snapshots record it
+    verbatim, so each restored VM opens its own copy of the upper drive. The guest does not see
+    ``drive_id``: Firecracker's virtio-blk serial is derived from the file (:func:`blk_serial`)."""
     body = {
         "drive_id": drive_id,
         "path_on_host": path,
@@ -75,6 +99,14 @@ def drive(drive_id: str, path: str, *, read_only: bool) -> ApiRequest:
     return ApiRequest("PUT", f"/drives/{drive_id}", body, "Drive")
 
 
+def blk_serial(path: Path) -> str:
+    """The serial the guest reads from a Firecracker virtio-blk drive (VIRTIO_BLK_T_GET_ID):
+    the file's device, rdev and inode numbers, concatenated in decimal, cut to 20 bytes (what
+    Firecracker's ``build_device_id`` does, after kvmtool)."""
+    st = os.stat(path)
+    return f"{st.st_dev}{st.st_rdev}{st.st_ino}"[:20]
+
+
 def network_interface(iface_id: str, tap: str, guest_mac: str) -> ApiRequest:
     body = {"iface_id": iface_id, "host_dev_name": tap, "guest_mac": guest_mac}
     return ApiRequest("PUT", f"/network-interfaces/{iface_id}", body, "NetworkInterface")
@@ -84,15 +116,17 @@ def vsock(uds_path: Path, guest_cid: int = 3) -> ApiRequest:
     return ApiRequest("PUT", "/vsock", {"guest_cid": guest_cid, "uds_path": str(uds_path)}, "Vsock")
 
 
-def balloon(amount_mib: int = 0, *, stats_interval_s: int = 1) -> ApiRequest:
-    """Free page reporting hands pages the guest frees back to the host; deflate-on-OOM lets the
-    guest take ballooned memory back rather than OOM-kill a sandbox process."""
-    body = {
+def balloon(amount_mib: int = 0, *, stats_interval_s: int = 1, level: ApiLevel = NEWEST) -> ApiRequest:
+    """Free page reporting hands pages the guest frees back to the host (releases that have it);
+    deflate-on-OOM lets the guest take ballooned memory back rather than OOM-kill a sandbox
+    process."""
+    body: dict[str, Any] = {
         "amount_mib": amount_mib,
         "deflate_on_oom": True,
-        "free_page_reporting": True,
         "stats_polling_interval_s": stats_interval_s,
     }
+    if level.free_page_reporting:
+        body["free_page_reporting"] = True
     return ApiRequest("PUT", "/balloon", body, "Balloon")
 
 
@@ -124,13 +158,14 @@ def snapshot_load(
     backend_type: MemoryBackendType = "File",
     vsock_uds: Path | None = None,
     resume: bool = True,
+    level: ApiLevel = NEWEST,
 ) -> ApiRequest:
     """Load a snapshot. With the ``File`` backend Firecracker maps the memory file MAP_PRIVATE:
     every VM restored from one snapshot shares its page-cache pages until it writes to them."""
     body: dict[str, Any] = {
         "snapshot_path": str(snapshot_path),
         "mem_backend": {"backend_type": backend_type, "backend_path": str(backend_path)},
-        "track_dirty_pages": True,
+        level.load_dirty_pages_field: True,
         "resume_vm": resume,
     }
     if vsock_uds is not None:

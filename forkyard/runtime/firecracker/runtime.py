@@ -46,6 +46,7 @@ from forkyard.errors import Failed, Unavailable
 from forkyard.runtime.base import Capability
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
+from forkyard.runtime.firecracker.version import binary_version, binary_version_problem
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import snapshot_disk
 from forkyard.runtime.microvm.runtime import (
@@ -115,7 +116,14 @@ def fc_paths(settings: Settings, sandbox_id: str) -> FcPaths:
 
 
 def boot_requests(
-    images: GuestImages, paths: FcPaths, *, vcpus: int, memory_mb: int, kernel: Path, boot_args: str
+    images: GuestImages,
+    paths: FcPaths,
+    *,
+    vcpus: int,
+    memory_mb: int,
+    kernel: Path,
+    boot_args: str,
+    level: api.ApiLevel = api.NEWEST,
 ) -> list[api.ApiRequest]:
     """Everything sent before InstanceStart, in order."""
     return [
@@ -128,12 +136,14 @@ def boot_requests(
         api.drive("envd", str(images.envd), read_only=True),
         api.network_interface("eth0", vmnet.TAP_NAME, vmnet.GUEST_MAC),
         api.vsock(paths.vsock),
-        api.balloon(0),
+        api.balloon(0, level=level),
         api.instance_start(),
     ]
 
 
-def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.ApiRequest]:
+def restore_requests(
+    paths: FcPaths, source: Path, *, uffd: bool, level: api.ApiLevel = api.NEWEST
+) -> list[api.ApiRequest]:
     backend = paths.uffd_socket if uffd else source / SNAPSHOT_MEMORY
     return [
         api.logger(paths.log),
@@ -143,6 +153,7 @@ def restore_requests(paths: FcPaths, source: Path, *, uffd: bool) -> list[api.Ap
             backend,
             backend_type="Uffd" if uffd else "File",
             resume=True,
+            level=level,
         ),
     ]
 
@@ -215,10 +226,15 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
             return self.fc.pvm_kernel
         return self.fc.kernel or images.kernel.vmlinux
 
-    def boot_args(self, images: GuestImages) -> str:
+    def boot_args(self, images: GuestImages, paths: FcPaths | None = None) -> str:
         gateway, guest = vmnet.guest_addresses(self.settings)
         # Firecracker has no PCI bus and no i8042; the kernel must not wait for either.
-        return images.cmdline(guest, gateway) + " pci=off i8042.noaux i8042.nomux i8042.dumbkbd"
+        args = images.cmdline(guest, gateway) + " pci=off i8042.noaux i8042.nomux i8042.dumbkbd"
+        if paths is not None:
+            # The guest's init finds its drives by serial; Firecracker's serials come from the files.
+            drives = {"base": images.base, "upper": paths.upper, "envd": images.envd}
+            args += "".join(f" forkyard.serial.{name}={api.blk_serial(p)}" for name, p in drives.items())
+        return args
 
     def paths(self, sandbox_id: str) -> FcPaths:
         return FcPaths.of(self.settings, sandbox_id)
@@ -265,6 +281,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     async def _start_requests(
         self, boot: Boot, paths: FcPaths, state: dict[str, Any]
     ) -> list[api.ApiRequest]:
+        level = await asyncio.to_thread(self.api_level)
         if boot.snapshot is None:
             return boot_requests(
                 boot.images,
@@ -272,18 +289,27 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 vcpus=boot.vcpus,
                 memory_mb=boot.memory_mb,
                 kernel=self.kernel(boot.images),
-                boot_args=self.boot_args(boot.images),
+                boot_args=self.boot_args(boot.images, paths),
+                level=level,
             )
         if self.fc.uffd:
             state["uffd_pid"] = await self._start_uffd_handler(paths, boot.snapshot.path / SNAPSHOT_MEMORY)
             write_marker(paths, state)
-        return restore_requests(paths, boot.snapshot.path, uffd=self.fc.uffd)
+        return restore_requests(paths, boot.snapshot.path, uffd=self.fc.uffd, level=level)
+
+    def api_level(self) -> api.ApiLevel:
+        """What the configured binary's release accepts (checked supported at its start)."""
+        version = binary_version(self.fc.binary)
+        return api.ApiLevel(version) if version is not None else api.NEWEST
 
     async def _spawn(self, net: SandboxNetwork, paths: FcPaths) -> int:
         """Start the VMM in the sandbox's netns, cwd = its drive directory (see module doc)."""
         binary = self.fc.binary
         if shutil.which(binary) is None:
             raise Unavailable(f"firecracker binary {binary!r} not found (see docs/KVM.md)")
+        problem = await asyncio.to_thread(binary_version_problem, binary)
+        if problem is not None:
+            raise Unavailable(f"{problem} (see docs/KVM.md)")
         # The child inherits the descriptor; the parent's copy is closed right after the spawn.
         console = await asyncio.to_thread(open, paths.console, "ab")
         try:

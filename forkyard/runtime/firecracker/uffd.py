@@ -3,8 +3,8 @@
 With ``mem_backend: {backend_type: Uffd, backend_path: <socket>}`` Firecracker maps guest memory
 anonymously, registers it with a userfaultfd and connects to ``<socket>``, sending in one message
 the JSON list of guest regions (``base_host_virt_addr``, ``size``, ``offset``, ``page_size``, or
-``page_size_kib`` in older releases) and the userfaultfd itself as SCM_RIGHTS. From then on every
-first touch of a guest page is a fault this handler resolves with ``UFFDIO_COPY`` from the
+``page_size_kib``, in bytes too, in older releases) and the userfaultfd itself as SCM_RIGHTS.
+From then on every first touch of a guest page is a fault this handler resolves with ``UFFDIO_COPY`` from the
 snapshot's memory file, so a restore starts without reading the memory file up front.
 Pages the balloon gave back (``UFFD_EVENT_REMOVE``) are served as zero pages afterwards.
 
@@ -56,7 +56,8 @@ class GuestRegion:
 
     @classmethod
     def from_json(cls, item: dict[str, int]) -> GuestRegion:
-        page_size = item["page_size"] if "page_size" in item else item["page_size_kib"] * 1024
+        # ``page_size_kib`` is in bytes despite its name (Firecracker's own comment; deprecated).
+        page_size = item["page_size"] if "page_size" in item else item["page_size_kib"]
         return cls(item["base_host_virt_addr"], item["size"], item["offset"], page_size)
 
     def contains(self, address: int) -> bool:
