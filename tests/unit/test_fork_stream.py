@@ -48,7 +48,9 @@ async def test_fork_hands_each_child_over_as_it_comes_up_with_its_own_timeout(tm
         parent = await orch.create(request())
         handed: list[tuple[ForkOutcome, float]] = []
         started = time.monotonic()
-        outcomes = await orch.fork(parent.sandbox_id, 4, 30, each=lambda o: handed.append((o, time.monotonic())))
+        outcomes = await orch.fork(
+            parent.sandbox_id, 4, 30, each=lambda o: handed.append((o, time.monotonic()))
+        )
         assert [o for o, _ in handed] == outcomes and all(o.record for o in outcomes)
         times = [t - started for _, t in handed]
         assert times == sorted(times) and times[-1] - times[0] > 2 * STAGGER, times  # one by one
@@ -85,9 +87,10 @@ async def test_a_paused_parent_forks_from_its_pause_snapshot_and_stays_paused(tm
 
 
 async def test_a_frozen_parent_moves_to_disk_for_its_fork_and_stays_paused(tmp_path: Path) -> None:
-    async with loopback_node(
-        tmp_path, runtime_options=dict(freezes=True), pause_disk_after_seconds=3600
-    ) as (orch, runtime):
+    async with loopback_node(tmp_path, runtime_options=dict(freezes=True), pause_disk_after_seconds=3600) as (
+        orch,
+        runtime,
+    ):
         parent = await orch.create(request())
         await orch.pause(parent.sandbox_id)
         assert (await orch.get(parent.sandbox_id)).pause_tier == "frozen"
