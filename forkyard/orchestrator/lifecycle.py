@@ -1433,6 +1433,7 @@ class Orchestrator:
         first); the parent stays paused, untouched. The caller holds the parent's lock until the
         children are up: a resume or kill of the parent deletes that snapshot."""
         if rec.pause_tier != "disk":
+            # filesystem-only: no memory to fork; frozen: its move to disk failed (logged).
             raise Conflict(
                 f"sandbox {rec.sandbox_id} is paused without its memory on disk ({rec.pause_tier}); "
                 "resume it to fork it"
