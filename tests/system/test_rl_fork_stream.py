@@ -94,7 +94,8 @@ async def test_children_of_a_paused_parent_are_isolated_and_it_stays_paused(
             assert len(set(group.sandbox_ids)) == 3 and parent.sandbox_id not in group.sandbox_ids
             seen = await group.run("cat /home/user/state")
             assert [r.stdout for r in seen] == ["parent"] * 3
-            assert all(await counting(m) >= before for m in group.members)  # its memory came along
+            counts = [await counting(m) for m in group.members]
+            assert min(counts) >= before, counts  # its memory came along: the counter runs on
             await group.run([f"echo child-{round_}-{i} > /home/user/state" for i in range(3)])
             seen = await group.run("cat /home/user/state")
             assert [r.stdout.strip() for r in seen] == [f"child-{round_}-{i}" for i in range(3)]
