@@ -129,6 +129,20 @@ async def test_n_sandboxes_from_a_stored_snapshot_in_one_call(forkyard_server: S
             await member.files.write("/home/user/mine", str(i))
             return (await member.files.read("/home/user/data")).strip()
 
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream(
+                "POST",
+                f"{forkyard_server.url}/snapshots/{snapshot.snapshot_id}/sandboxes",
+                json={"count": 2, "timeout": 60},
+                headers=forkyard_server.headers,
+            ) as response,
+        ):
+            assert response.status_code == 200, await response.aread()
+            lines = [json.loads(line) async for line in response.aiter_lines() if line]
+        assert [line["sandbox"]["templateID"] for line in lines] == [snapshot.snapshot_id] * 2  # one call
+        for line in lines:
+            await AsyncSandbox.kill(line["sandbox"]["sandboxID"])
         group = await SandboxGroup.from_snapshot(snapshot.snapshot_id, 4, each=rollout, lifetime=120)
         try:
             assert group.each_results == ["prepared"] * 4
