@@ -131,6 +131,7 @@ BENCHMARKS = (
     "microvm",
     "s3",
     "rl",
+    "fork_stream",
     "cluster",
     "fork_spill",
 )
@@ -208,6 +209,11 @@ def main() -> None:
 
         # rl starts its own server (production settings); its rollout count is its own setting.
         attempt("rl", lambda: rl.run(args.runs))
+    if "fork_stream" in wanted:
+        from bench import fork_stream
+
+        # Fork 16 -> first / all answering: E2B's fork call against the streaming shapes (issue 26).
+        attempt("fork_stream", lambda: fork_stream.run(args.runs))
 
     if "cluster" in wanted:
         from bench import cluster

@@ -9,7 +9,13 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from forkyard.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
+from forkyard.api import (
+    routes_fork_stream,
+    routes_lifecycle,
+    routes_network,
+    routes_sandboxes,
+    routes_templates,
+)
 from forkyard.api.console import install as install_console
 from forkyard.api.e2b_wire import http_domain
 from forkyard.api.errors import install_error_handlers
@@ -91,6 +97,7 @@ def create_app(
     # templates router's only.
     app.include_router(routes_templates.router)
     app.include_router(routes_lifecycle.router)
+    app.include_router(routes_fork_stream.router)  # ours: children as they come up
     install_console(app)  # /console and /node: our extensions (forkyard/api/console)
 
     def make_proxy(inner: Any) -> SandboxProxy:

@@ -32,7 +32,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NoReturn
@@ -119,7 +119,8 @@ STARTS_FROM: dict[str, frozenset[SandboxState]] = {
     "resume": frozenset({S.PAUSED}),
     "connect": frozenset({S.RUNNING, S.PAUSED}),
     "snapshot": frozenset({S.RUNNING}),
-    "fork": frozenset({S.RUNNING}),
+    # A paused sandbox forks from its pause state without being resumed (:meth:`Orchestrator._fork_paused`).
+    "fork": frozenset({S.RUNNING, S.PAUSED}),
     "rollback": frozenset({S.RUNNING}),
     "set_timeout": frozenset({S.RUNNING, S.PAUSED}),
     "refresh": frozenset({S.RUNNING}),
@@ -1254,17 +1255,32 @@ class Orchestrator:
 
     # -- fork ----------------------------------------------------------------------------------
 
-    async def fork(self, sandbox_id: str, count: int, timeout_seconds: int) -> list[ForkOutcome]:
+    async def fork(
+        self,
+        sandbox_id: str,
+        count: int,
+        timeout_seconds: int,
+        each: Callable[[ForkOutcome], None] | None = None,
+    ) -> list[ForkOutcome]:
         """``count`` independent children with the parent's memory, processes and disk.
 
         The parent is checkpointed once. Where the runtime can, it keeps running through the
         checkpoint (paused only for it); else it is stopped and restored in place *alongside*
         its children (one more restore of the same image). Each child's timeout starts when the
-        call returns, not when it was restored: a caller must be able to use it."""
+        call returns, not when it was restored: a caller must be able to use it. With ``each``
+        (a streaming fork, our extension), every child is handed to it as soon as it is up, its
+        timeout starting then. A paused parent is not resumed: :meth:`_fork_paused`."""
         if not 1 <= count <= MAX_FORK_COUNT:
             raise Invalid(f"count must be between 1 and {MAX_FORK_COUNT}")
         started = time.monotonic()
+        if (await self.get(sandbox_id)).pause_tier == "frozen":
+            # Its memory must be on disk to restore children from: the frozen tier's own move.
+            await self._move_to_disk(sandbox_id, "forked while paused")
         async with self._operate(sandbox_id, "fork") as rec:
+            if rec.state == S.PAUSED:
+                outcomes = await self._fork_paused(rec, count, timeout_seconds, each)
+                self.telemetry.observe("fork", f"{count} paused", time.monotonic() - started)
+                return outcomes
             assert rec.instance is not None
             keeps_running = await self._runtime(rec).snapshot_keeps_running(rec.instance)
             self._detach(sandbox_id)
@@ -1275,7 +1291,8 @@ class Orchestrator:
                 raise_failure(exc, f"fork of sandbox {sandbox_id}")
             gate = asyncio.Semaphore(FORK_PARALLELISM)
             children = [
-                asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds)) for _ in range(count)
+                asyncio.ensure_future(self._fork_child(row, rec, gate, timeout_seconds, each))
+                for _ in range(count)
             ]
             if keeps_running:
                 self._attach(rec)
@@ -1289,6 +1306,34 @@ class Orchestrator:
             await self.catalog.delete(row.snapshot_id)
             await self.catalog.collect_garbage(self.runtimes)
         self.telemetry.observe("fork", str(count), time.monotonic() - started)
+        if each is not None:  # each child's timeout restarted when it was handed out
+            return list(outcomes)
+        return [await self._restart_timeout(o, timeout_seconds) for o in outcomes]
+
+    async def _fork_paused(
+        self,
+        rec: SandboxRecord,
+        count: int,
+        timeout_seconds: int,
+        each: Callable[[ForkOutcome], None] | None,
+    ) -> list[ForkOutcome]:
+        """Children of a paused sandbox restore its pause snapshot (a frozen one was moved to disk
+        first); the parent stays paused, untouched. The caller holds the parent's lock until the
+        children are up: a resume or kill of the parent deletes that snapshot."""
+        if rec.pause_tier != "disk":
+            # filesystem-only: no memory to fork; frozen: its move to disk failed (logged).
+            raise Conflict(
+                f"sandbox {rec.sandbox_id} is paused without its memory on disk ({rec.pause_tier}); "
+                "resume it to fork it"
+            )
+        row = await self.catalog.get(rec.pause_snapshot or "")
+        if row is None:
+            raise Gone(f"the pause snapshot of sandbox {rec.sandbox_id} is missing")
+        gate = asyncio.Semaphore(FORK_PARALLELISM)
+        children = [self._fork_child(row, rec, gate, timeout_seconds, each) for _ in range(count)]
+        outcomes = await asyncio.shield(asyncio.gather(*children))
+        if each is not None:
+            return list(outcomes)
         return [await self._restart_timeout(o, timeout_seconds) for o in outcomes]
 
     async def _revive_parent(self, rec: SandboxRecord, row: SnapshotRow) -> None:
@@ -1305,7 +1350,12 @@ class Orchestrator:
         self._attach(rec)
 
     async def _fork_child(
-        self, row: SnapshotRow, parent: SandboxRecord, gate: asyncio.Semaphore, timeout_seconds: int
+        self,
+        row: SnapshotRow,
+        parent: SandboxRecord,
+        gate: asyncio.Semaphore,
+        timeout_seconds: int,
+        each: Callable[[ForkOutcome], None] | None = None,
     ) -> ForkOutcome:
         """A fork child is made like its parent: same metadata, network and traffic policy."""
         req = CreateRequest(
@@ -1319,9 +1369,13 @@ class Orchestrator:
         )
         async with gate:
             try:
-                return ForkOutcome(await self._restore_new(row, req, origin="fork"), None)
+                outcome = ForkOutcome(await self._restore_new(row, req, origin="fork"), None)
             except ForkyardError as exc:
-                return ForkOutcome(None, exc)
+                outcome = ForkOutcome(None, exc)
+        if each is not None:
+            outcome = await self._restart_timeout(outcome, timeout_seconds)
+            each(outcome)
+        return outcome
 
     async def _restart_timeout(self, outcome: ForkOutcome, timeout_seconds: int) -> ForkOutcome:
         if outcome.record is None:

@@ -12,7 +12,7 @@ import shutil
 from forkyard.config import Settings
 from forkyard.errors import Invalid
 from forkyard.runtime.base import Runtime
-from forkyard.runtime.firecracker.version import binary_version_problem
+from forkyard.runtime.firecracker_version import binary_version_problem
 from forkyard.runtime.kvm import kvm_unusable_reason
 from forkyard.types import RUNTIME_NAMES, RuntimeName
 

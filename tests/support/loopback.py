@@ -143,6 +143,7 @@ class LoopbackRuntime(Runtime):
         fail_create: bool = False,
         snapshots: bool = True,
         freezes: bool = False,
+        restore_stagger: float = 0.0,
     ) -> None:
         super().__init__(settings or Settings())
         self.servers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = {}
@@ -151,6 +152,8 @@ class LoopbackRuntime(Runtime):
         self.fail_create = fail_create
         self.snapshots_supported = snapshots
         self.freezes = freezes
+        #: The n-th restore takes n times this long (seconds): children that come up one by one.
+        self.restore_stagger = restore_stagger
         #: Sandboxes frozen now (a frozen upstream stops answering, like a frozen sandbox).
         self.frozen: set[str] = set()
         #: (sandbox id, where, stop) of every snapshot, and (sandbox id, source) of every restore.
@@ -250,6 +253,7 @@ class LoopbackRuntime(Runtime):
         if not (source.path / "loopback.json").is_file():
             raise NotSupported(f"{source.snapshot_id} is not a loopback snapshot")
         self.restores.append((spec.sandbox_id, source))
+        await asyncio.sleep(self.restore_stagger * len(self.restores))
         return await self.create(spec)
 
     async def close(self) -> None:

@@ -10,7 +10,7 @@ import pytest
 from forkyard.config import FirecrackerSettings, QemuSettings, Settings
 from forkyard.errors import Invalid, http_status
 from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
-from forkyard.runtime.firecracker.version import binary_version_problem
+from forkyard.runtime.firecracker_version import binary_version_problem
 from forkyard.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
 from forkyard.runtime.registry import (
     firecracker_unusable_reason,

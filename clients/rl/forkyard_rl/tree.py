@@ -8,9 +8,11 @@
 
 Each :class:`Node` knows its parent and the snapshot it was restored from (the checkpoint of
 its fork, as the server reports it); :meth:`ForkTree.checkpoint` takes a durable snapshot of a
-node that :meth:`ForkTree.rollback` puts it back to in place. Forks go through the SDK's
-``fork`` (at most 20 per call, so larger counts are several calls). :func:`grpo_step` is one
-GRPO step in one call: one prompt state -> n forks -> act -> reward -> group advantages.
+node that :meth:`ForkTree.rollback` puts it back to in place. Forks stream their children
+(:mod:`forkyard_rl.stream`: our fork call that answers each child as it is up; the SDK's
+``fork``, 20 per call, against a server without it), and a paused node forks without being
+resumed. :func:`grpo_step` is one GRPO step in one call: one prompt state -> n forks -> act ->
+reward -> group advantages, each child's rollout starting the moment that child is up.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
@@ -27,14 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from forkyard_rl.actions import Action, RunResult, bounded, per_member, run_action
 from forkyard_rl.api import Connection, rollback
-from forkyard_rl.group import DEFAULT_CONCURRENCY, GroupError, kill_quietly
+from forkyard_rl.group import DEFAULT_CONCURRENCY, as_they_come, kill_quietly
+from forkyard_rl.stream import Started, fork_stream
 from forkyard_rl.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from e2b import AsyncSandbox
-
-#: The SDK refuses more per fork call (its ``validate_fork_count``).
-SDK_MAX_FORK_COUNT = 20
 
 #: ``reward(sandbox, result)``: how good a member's result is (may look into the sandbox).
 RewardFn = Callable[["AsyncSandbox", RunResult], Awaitable[float]]
@@ -114,28 +114,39 @@ class ForkTree:
 
     # -- growing -------------------------------------------------------------------------------
 
-    async def fork(self, node: Node, k: int, *, lifetime: int = 300) -> list[Node]:
-        """``k`` children of ``node`` with its memory, processes and disk; ``lifetime``: their
-        server-side timeout in seconds. All or nothing: if a child fails, the others are killed."""
+    async def fork(
+        self,
+        node: Node,
+        k: int,
+        *,
+        lifetime: int = 300,
+        each: Callable[[int, Node], Awaitable[Any]] | None = None,
+    ) -> list[Node]:
+        """``k`` children of ``node`` (running, or paused: it stays paused) with its memory,
+        processes and disk, in the order they came up; ``lifetime``: their server-side timeout in
+        seconds. ``each(i, child)`` starts for every child the moment it is up (at most
+        :attr:`concurrency` at a time), not when the last one is. All or nothing: if a child
+        fails, ``each`` is stopped and the others are killed (:class:`GroupError`)."""
         if k < 1:
             raise ValueError("fork at least one child")
         parent = node.live()
-        made: list[AsyncSandbox | Exception] = []
-        try:
-            for start in range(0, k, SDK_MAX_FORK_COUNT):
-                made += await parent.fork(timeout=lifetime, count=min(SDK_MAX_FORK_COUNT, k - start))
-        except Exception as exc:  # a later call failed: the earlier calls' children must not leak
-            made.append(exc)
-        children = [m for m in made if not isinstance(m, Exception)]
-        errors = [m for m in made if isinstance(m, Exception)]
-        if errors:
-            await bounded(self.concurrency, [partial(kill_quietly, c) for c in children])
-            raise GroupError(list(errors))
-        origins = await bounded(self.concurrency, [partial(_template_of, c) for c in children])
-        nodes = [
-            Node(c.sandbox_id, c, node.node_id, node.depth + 1, origin_snapshot_id=o)
-            for c, o in zip(children, origins, strict=True)
-        ]
+        made: dict[str, Node] = {}
+
+        async def arrivals() -> AsyncIterator[Started]:
+            async for started in fork_stream(parent, k, lifetime=lifetime):
+                if started.sandbox is not None:
+                    child = started.sandbox
+                    made[child.sandbox_id] = Node(
+                        child.sandbox_id, child, node.node_id, node.depth + 1, started.template_id
+                    )
+                yield started
+
+        async def each_node(i: int, sandbox: AsyncSandbox) -> Any:
+            assert each is not None
+            return await each(i, made[sandbox.sandbox_id])
+
+        arrived = await as_they_come(arrivals(), each_node if each else None, concurrency=self.concurrency)
+        nodes = [made[m.sandbox_id] for m in arrived.members]
         for child in nodes:
             self.nodes[child.node_id] = child
             node.children.append(child.node_id)
@@ -249,13 +260,6 @@ class ForkTree:
         await self.close()
 
 
-async def _template_of(sandbox: AsyncSandbox) -> str | None:
-    """The template id the server reports (a fork child's: its fork checkpoint)."""
-    with contextlib.suppress(Exception):
-        return (await sandbox.get_info()).template_id
-    return None
-
-
 # -- GRPO ----------------------------------------------------------------------------------------
 
 
@@ -293,22 +297,35 @@ async def grpo_step(
     keep: bool = False,
 ) -> GroupOutcome:
     """One GRPO step from the prompt state ``prompt``: fork ``n`` children, run action ``i`` in
-    child ``i``, score each with ``reward``, and compute the group's advantages. The children
-    are pruned afterwards unless ``keep`` (then they stay in the tree for the next step)."""
+    child ``i`` (``i`` in the order the children come up) and score it with ``reward`` the moment
+    that child is up, then compute the group's advantages. The children are pruned afterwards
+    unless ``keep`` (then they stay in the tree for the next step)."""
     started = time.monotonic()
-    children = await tree.fork(prompt, n, lifetime=lifetime)
+    todo = per_member(actions, n)
+    results: dict[int, RunResult] = {}
+    scores: dict[int, float] = {}
+
+    async def rollout(i: int, child: Node) -> None:
+        result = await run_action(child.live(), todo[i], command_timeout=command_timeout)
+        tree.trajectory.record(child.node_id, todo[i], result, parent=child.parent_id)
+        results[i] = result
+        scores[i] = await _score(reward, child, result)
+
+    children: list[Node] = []
     try:
-        results = await tree.run(children, actions, command_timeout=command_timeout)
-        scores = await bounded(
-            tree.concurrency,
-            [partial(_score, reward, c, r) for c, r in zip(children, results, strict=True)],
-        )
-        _record_rewards(tree.trajectory, children, scores)
+        children = await tree.fork(prompt, n, lifetime=lifetime, each=rollout)
+        ordered = [scores[i] for i in range(n)]
+        _record_rewards(tree.trajectory, children, ordered)
     finally:
         if not keep:
             await tree.prune_all(children)
     return GroupOutcome(
-        prompt.node_id, children, results, scores, advantages(scores), time.monotonic() - started
+        prompt.node_id,
+        children,
+        [results[i] for i in range(n)],
+        ordered,
+        advantages(ordered),
+        time.monotonic() - started,
     )
 
 

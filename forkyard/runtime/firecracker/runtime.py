@@ -46,7 +46,7 @@ from forkyard.errors import Failed, Unavailable
 from forkyard.runtime.base import Capability
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
-from forkyard.runtime.firecracker.version import binary_version, binary_version_problem
+from forkyard.runtime.firecracker_version import binary_version, binary_version_problem
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import snapshot_disk
 from forkyard.runtime.microvm.runtime import (
