@@ -35,6 +35,7 @@ from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
 from forkyard.storage.envd_bundle import (
     MOUNT_POINT,
+    SUDO_SHIM,
     build_envd_bundle,
     bundle_hash,
     envd_argv,
@@ -43,6 +44,8 @@ from forkyard.storage.envd_bundle import (
 )
 from forkyard.types import (
     ENVD_ACCESS_TOKEN_ENV,
+    ENVD_DEFAULT_WORKDIR_ENV,
+    ENVD_FILES_AS_USER_ENV,
     ENVD_PORT,
     LiveSnapshots,
     RuntimeName,
@@ -258,6 +261,15 @@ class GvisorRuntime(Runtime):
 
     # -- what a sandbox is made of --------------------------------------------------------------
 
+    @staticmethod
+    def _sudo_mounts(rootfs: Path, envd_bundle: Path) -> list[dict[str, Any]]:
+        """gVisor ignores set-uid bits ("no new privileges"): the template's sudo gives way to
+        the bundle's, which asks envd (forkyard/envd/sudo.py)."""
+        if not os.path.lexists(rootfs / "usr/bin/sudo"):
+            return []
+        shim = str(envd_bundle / "bin" / SUDO_SHIM)
+        return [{"destination": "/usr/bin/sudo", "type": "bind", "source": shim, "options": ["bind", "ro"]}]
+
     def oci_spec(
         self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path
     ) -> dict[str, Any]:
@@ -266,6 +278,10 @@ class GvisorRuntime(Runtime):
         if spec.envd_access_token:
             env[ENVD_ACCESS_TOKEN_ENV] = spec.envd_access_token
         tpl = spec.template
+        if tpl.workdir:
+            env[ENVD_DEFAULT_WORKDIR_ENV] = tpl.workdir
+        if self.settings.envd_files_as_user:
+            env[ENVD_FILES_AS_USER_ENV] = "1"
         caps = list(CAPABILITIES)
         return {
             "ociVersion": "1.0.2",
@@ -307,6 +323,7 @@ class GvisorRuntime(Runtime):
                     "source": str(envd_bundle),
                     "options": ["rbind", "ro"],
                 },
+                *self._sudo_mounts(rootfs, envd_bundle),
             ],
             "linux": {
                 "namespaces": [
