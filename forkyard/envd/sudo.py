@@ -7,7 +7,7 @@ it starts those commands instead: the gVisor runtime mounts ``/.forkyard/bin/sud
 over /usr/bin/sudo; that client connects to envd on an abstract Unix socket and hands over its
 command line, environment, working directory and its stdin/stdout/stderr (SCM_RIGHTS: the
 command writes to the caller's pipes or terminal directly). envd learns who asks from the
-kernel (SO_PEERCRED: the caller's uid, which no process can fake), allows root and members of
+kernel (SCM_CREDENTIALS: the caller's uid, which no process can fake), allows root and members of
 the ``sudo``/``wheel``/``admin`` groups (E2B's ``user`` is in ``sudo``; there are no passwords),
 starts the command as the target user, relays the caller's signals to it and answers its exit
 code, which the client exits with. A caller that dies (SIGKILL) takes the command with it, as
@@ -49,6 +49,8 @@ RELAYED_SIGNALS = frozenset(
     | {signal.SIGWINCH, signal.SIGCONT}
 )
 _MAX_REQUEST = 1 << 20
+#: struct ucred: pid, uid, gid.
+_UCRED = struct.Struct("3i")
 _RECEIVE_TIMEOUT_S = 10.0
 
 
@@ -74,20 +76,25 @@ def may_sudo(uid: int) -> bool:
     return False
 
 
-def peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
-
-
-def receive_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
-    """The client's request (4-byte length, JSON) and the fds it sent along (blocking)."""
+def receive_request(conn: socket.socket) -> tuple[dict[str, object], list[int], int]:
+    """The client's request (4-byte length, JSON), the fds it sent along and the uid it proved
+    (blocking). The uid comes from SCM_CREDENTIALS, which the kernel checks (a process may only
+    claim its own ids unless it has CAP_SETUID); SO_PEERCRED cannot be used: gVisor answers it
+    with the asking process's own credentials (envd's: root), not the peer's."""
     conn.settimeout(_RECEIVE_TIMEOUT_S)
     fds = array.array("i")
-    data, ancdata, _flags, _addr = conn.recvmsg(65536, socket.CMSG_SPACE(3 * fds.itemsize))
+    uids: list[int] = []
+    space = socket.CMSG_SPACE(3 * fds.itemsize) + socket.CMSG_SPACE(_UCRED.size)
+    data, ancdata, _flags, _addr = conn.recvmsg(65536, space)
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
+            uids.append(_UCRED.unpack(payload[: _UCRED.size])[1])
+    if len(uids) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise SudoRefusal("sudo: the request did not carry its sender's credentials")
     if len(data) < 4:
         raise SudoRefusal("sudo: truncated request")
     size = int.from_bytes(data[:4], "big")
@@ -102,7 +109,7 @@ def receive_request(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
     request = json.loads(body)
     if not isinstance(request, dict):
         raise SudoRefusal("sudo: malformed request")
-    return request, list(fds)
+    return request, list(fds), uids[0]
 
 
 class SudoBroker:
@@ -115,6 +122,7 @@ class SudoBroker:
     def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             sock.bind(SOCKET_NAME)
             sock.listen(64)
         except OSError as exc:
@@ -145,8 +153,8 @@ class SudoBroker:
         with conn:
             fds: list[int] = []
             try:
-                uid = peer_uid(conn)
-                request, fds = await asyncio.to_thread(receive_request, conn)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+                request, fds, uid = await asyncio.to_thread(receive_request, conn)
                 code = await self._run(conn, uid, request, fds)
             except SudoRefusal as exc:
                 code = exc.exit_code

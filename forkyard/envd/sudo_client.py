@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 
 SOCKET_NAME = b"\0forkyard-envd-sudo"  # sudo.SOCKET_NAME (not imported: keep start-up small)
@@ -36,7 +37,13 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"sudo: envd's sudo broker is unreachable: {exc.strerror or exc}\n")
         return 1
     request = _request(argv)
-    conn.sendmsg([request[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    # Our own ids, which the kernel checks, are how envd knows who asks (sudo.py).
+    credentials = struct.pack("3i", os.getpid(), os.getuid(), os.getgid())
+    ancillary = [
+        (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]).tobytes()),
+        (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, credentials),
+    ]
+    conn.sendmsg([request[:65536]], ancillary)
     if len(request) > 65536:
         conn.sendall(request[65536:])
     for name in _RELAYED:
