@@ -12,6 +12,7 @@ against a real server and real gVisor sandboxes of the ``base`` template:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -86,7 +87,12 @@ def test_sudo_user_environment_and_exit_codes(sbx: Sandbox) -> None:
 def test_sudo_in_a_terminal_and_signals(sbx: Sandbox) -> None:
     output = bytearray()
     handle = sbx.pty.create(PtySize(rows=24, cols=80), timeout=30)
-    reader = threading.Thread(target=lambda: handle.wait(on_pty=output.extend), daemon=True)
+
+    def read() -> None:
+        with contextlib.suppress(CommandExitException):  # the PTY is killed at the end
+            handle.wait(on_pty=output.extend)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     sbx.pty.send_stdin(handle.pid, b"sudo tty; sudo -u nobody id -un; echo done-$?\n")
     deadline = time.monotonic() + 20
