@@ -39,6 +39,7 @@ def _denied(exc: pytest.ExceptionInfo[SandboxException]) -> None:
     the SDK raises as SandboxException with the status or code in front."""
     text = str(exc.value).lower()
     assert "403" in text or "permission_denied" in text or "permission denied" in text, text
+    assert ".envd-new-" not in text and ".envd-over-" not in text, text  # the target, not our temp file
 
 
 def test_read_needs_the_users_read_right(sbx: Sandbox) -> None:
