@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     #: Where built templates live (default ``{data_dir}/templates``); lets a throw-away data
     #: directory (tests) use the shared, cached templates without copying them.
     templates_path: Path | None = None
+    #: envd does file operations with the rights of the request's user (ours, docs/HARDENING.md)
+    #: instead of as root with what it creates given to the user (E2B's envd, the default).
+    envd_files_as_user: bool = False
     #: Largest request body the envd proxy forwards (uploads); bigger ones get 413.
     max_upload_bytes: int = 1 << 30
     #: Templates are snapshots: the first create of a template also boots one sandbox of it in

@@ -19,6 +19,11 @@ ENVD_PORT = 49983
 ENVD_VERSION = "0.6.4"
 #: Environment variable a runtime may hand envd its access token in (instead of ``POST /init``).
 ENVD_ACCESS_TOKEN_ENV = "FORKYARD_ENVD_ACCESS_TOKEN"
+#: Set to 1, envd does file operations with the rights of the request's user (ours, docs/HARDENING.md);
+#: unset, as root with what is created given to the user (E2B's envd).
+ENVD_FILES_AS_USER_ENV = "FORKYARD_ENVD_FILES_AS_USER"
+#: The template's final WORKDIR, handed to envd by the runtime: its default directory for commands.
+ENVD_DEFAULT_WORKDIR_ENV = "FORKYARD_ENVD_DEFAULT_WORKDIR"
 #: The account E2B templates create; envd's default user when a template has it.
 SANDBOX_USER = "user"
 #: envd's ``/init`` field (ours, not E2B's): ``false`` when the sandbox has run on, watched, since
@@ -80,6 +85,8 @@ class TemplateImage:
     disk_mb: int = 4096
     #: Per-template runtime override, or None for the node default.
     runtime: RuntimeName | None = None
+    #: The build's final WORKDIR: where commands start by default (None: the user's home).
+    workdir: str | None = None
 
 
 @dataclass(frozen=True)

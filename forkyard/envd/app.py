@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from forkyard.envd import metrics
+from forkyard.envd import fsaccess, metrics
 from forkyard.envd.files_http import compose, download, upload
 from forkyard.envd.filesystem_service import FilesystemService
 from forkyard.envd.fsfreeze import fsfreeze, fsthaw
@@ -32,6 +33,7 @@ from forkyard.envd.settings import EnvdSettings
 from forkyard.envd.signature import signature_refusal
 from forkyard.envd.spawn import Spawner
 from forkyard.envd.state import EnvdState
+from forkyard.envd.sudo import SudoBroker
 from forkyard.errors import Invalid, Unauthenticated
 from forkyard.types import ENVD_INIT_REVALIDATE
 
@@ -158,16 +160,20 @@ async def get_metrics(request: Request) -> Response:
 
 
 def create_app(settings: EnvdSettings) -> Starlette:
-    state = EnvdState(access_token=settings.access_token)
+    state = EnvdState(access_token=settings.access_token, default_workdir=settings.default_workdir)
+    fsaccess.configure(as_the_user=settings.files_as_user)
     spawner = Spawner()
     table = ProcessTable(spawner, stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)
     logins = LoginEnvironments(spawner)
     filesystem = FilesystemService(state)
+    sudo_broker = SudoBroker(spawner)
     default_store().start()  # as envd itself, before any request acts as a user (metadata_store.py)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         reaper = asyncio.create_task(reap_orphans_forever(spawner.live_pids))
+        if os.getpid() == 1:  # in a sandbox; never on a host (sudo.py)
+            sudo_broker.start()
         prepare_logins(logins, state)
         # Answer only once the default user's login is captured: a template snapshot is taken as
         # soon as envd answers, and one taken mid-capture left every sandbox restored from it
@@ -177,6 +183,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
             yield
         finally:
             reaper.cancel()
+            await sudo_broker.close()
             filesystem.close()
             logins.close()
             await table.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gzip as gzip_module
 import mimetypes
 import os
 import stat
@@ -30,12 +31,14 @@ from forkyard.envd.http_common import json_object
 from forkyard.envd.metadata_store import default_store
 from forkyard.envd.multipart import MultipartReader, boundary_from_content_type
 from forkyard.envd.state import EnvdState
-from forkyard.envd.tempnames import temp_upload_name
+from forkyard.envd.tempnames import parse_temp_upload_name, temp_upload_name
 from forkyard.envd.users import User, resolve_path
 from forkyard.errors import Failed, Forbidden, ForkyardError, InsufficientStorage, Invalid, NotFound
 
 _WRITE_BATCH = 1024 * 1024
 _READ_CHUNK = 256 * 1024
+#: Most a file that reports size 0 (procfs, sysfs) is read into memory for a download.
+_SIZELESS_LIMIT = 64 * 1024 * 1024
 _METADATA_HEADER = "x-metadata-"
 _MAX_METADATA_KEY = 246
 _MAX_METADATA_TOTAL = 4096
@@ -58,7 +61,7 @@ def os_failure(exc: OSError, doing: str) -> ForkyardError:
     """The error kind of a failed file operation: a full disk is 507 (the SDK's
     NotEnoughSpaceException), what the user has no right to 403, a path that cannot be used as
     asked 400 (404 when missing); only the rest is envd's own failure (500)."""
-    where = f" '{exc.filename}'" if exc.filename else ""
+    where = f" '{_shown_path(exc.filename)}'" if exc.filename else ""
     message = f"{doing}{where}: {exc.strerror or exc}"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientStorage("not enough disk space available")
@@ -69,6 +72,14 @@ def os_failure(exc: OSError, doing: str) -> ForkyardError:
     if exc.errno in _BAD_PATH_ERRNOS:
         return Invalid(message)
     return Failed(message)
+
+
+def _shown_path(filename: object) -> str:
+    """The path a message names: an upload's temp file is envd's business, the target is the
+    user's (``.x.envd-new-<hex>`` shows as ``x``)."""
+    path = os.fsdecode(filename) if isinstance(filename, (str, bytes)) else str(filename)
+    temp = parse_temp_upload_name(os.path.basename(path))
+    return os.path.join(os.path.dirname(path), temp[0]) if temp else path
 
 
 # --- download ------------------------------------------------------------------------------------
@@ -159,6 +170,14 @@ def _open_readable(path: str) -> tuple[BinaryIO, os.stat_result]:
     return os.fdopen(fd, "rb"), st
 
 
+def _read_to_eof(file: BinaryIO) -> bytes:
+    """A file whose size is unknown (procfs, sysfs) read in full, up to ``_SIZELESS_LIMIT``."""
+    content = file.read(_SIZELESS_LIMIT + 1)
+    if len(content) > _SIZELESS_LIMIT:
+        raise Invalid(f"file reports size 0 but holds more than {_SIZELESS_LIMIT} bytes")
+    return content
+
+
 async def download(request: Request) -> Response:
     user = _user(request)
     raw_path = request.query_params.get("path")
@@ -169,6 +188,15 @@ async def download(request: Request) -> Response:
     file, st = as_user(user, _open_readable, path)
     media_type = mimetypes.guess_type(path)[0] or "application/octet-stream"
     headers = {"Content-Disposition": _content_disposition(os.path.basename(path))}
+    if st.st_size == 0 and stat.S_ISREG(st.st_mode):
+        # /proc and /sys files say they are empty and have content (boot_id, status): read to EOF,
+        # as Go's io.Copy in E2B's envd does. A truly empty file reads nothing here.
+        with file:
+            content = await asyncio.to_thread(_read_to_eof, file)
+        if gzip:
+            headers.update({"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+            content = gzip_module.compress(content, 6)
+        return Response(content, media_type=media_type, headers=headers)
     if gzip:
         headers["Content-Encoding"] = "gzip"
         headers["Vary"] = "Accept-Encoding"

@@ -1,8 +1,12 @@
-"""File system operations with the rights of the user a request names.
+"""File system operations as root (E2B's default) or with the rights of the user a request names.
 
-envd runs as root. E2B's Go envd does every file operation as root too and only chowns what it
+envd runs as root. E2B's Go envd does every file operation as root and only chowns what it
 creates to the user (``permissions.EnsureDirs``, ``processFile`` in packages/envd/internal), so
-``GET /files?path=/etc/shadow&username=user`` answers the file there. forkyard does them *as*
+``files.write("/root/x")`` or ``files.make_dir("/workspace")`` work for the default user ``user``
+(who has passwordless sudo anyway). That is the default here too (issue 24): the operations run
+as envd, and what they create is chowned to the user (``chown_to`` in filesystem_service.py).
+
+``FORKYARD_ENVD_FILES_AS_USER=1`` (``--files-as-user``; ours, docs/HARDENING.md) does them *as*
 the user instead (issue 15, item 4): the calling thread takes on the user's uid, gid and groups
 for the operation, so the kernel checks every path the way it checks the user's own processes,
 and what is created belongs to the user (uid and primary gid, as E2B's chown gives it).
@@ -33,13 +37,14 @@ T = TypeVar("T")
 class FileAccess:
     """``call(user, fn, ...)`` runs ``fn`` with ``user``'s file system rights."""
 
-    def __init__(self) -> None:
+    def __init__(self, as_the_user: bool = False) -> None:
         self._own = Identity.current()
         self._local = threading.local()
+        self.as_the_user = as_the_user
 
     def _switches(self, user: User) -> bool:
         """Only root can act as another user; acting as envd's own user needs no switch."""
-        return self._own.uid == 0 and user.uid != self._own.uid
+        return self.as_the_user and self._own.uid == 0 and user.uid != self._own.uid
 
     def _credentials(self) -> _ThreadCredentials:
         credentials: _ThreadCredentials | None = getattr(self._local, "credentials", None)
@@ -78,8 +83,15 @@ class FileAccess:
 _ACCESS: FileAccess | None = None
 
 
+def configure(as_the_user: bool) -> None:
+    """Whether file operations take on the request's user's rights (envd's start-up setting)."""
+    global _ACCESS
+    _ACCESS = FileAccess(as_the_user)
+
+
 def as_user(user: User, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn(*args, **kwargs)`` with ``user``'s file system rights, on the calling thread."""
+    """``fn(*args, **kwargs)`` with ``user``'s file system rights (with envd's own unless
+    ``configure(as_the_user=True)``), on the calling thread."""
     global _ACCESS
     if _ACCESS is None:
         _ACCESS = FileAccess()

@@ -11,7 +11,13 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from forkyard.types import ENVD_ACCESS_TOKEN_ENV, ENVD_PORT, ENVD_VERSION
+from forkyard.types import (
+    ENVD_ACCESS_TOKEN_ENV,
+    ENVD_DEFAULT_WORKDIR_ENV,
+    ENVD_FILES_AS_USER_ENV,
+    ENVD_PORT,
+    ENVD_VERSION,
+)
 
 #: Prefix of envd's configuration variables (the token's among them): state.py keeps them out of the
 #: processes envd starts.
@@ -29,6 +35,12 @@ class EnvdSettings:
     sync_clock: bool = False
     #: Output a process stream may hold for a client that reads slower than the process writes.
     stream_buffer_mib: int = 32
+    #: File operations with the rights of the request's user (ours) instead of as root with what
+    #: is created given to the user (E2B's envd, the default).
+    files_as_user: bool = False
+    #: Where commands start by default (the template's final WORKDIR); None: the user's home.
+    #: ``POST /init``'s ``defaultWorkdir`` replaces it.
+    default_workdir: str | None = None
 
 
 def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
@@ -50,6 +62,17 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
         default=int(env.get("FORKYARD_ENVD_STREAM_BUFFER_MIB", defaults.stream_buffer_mib)),
         help="output held per process stream for a slow client before the process is slowed down",
     )
+    parser.add_argument(
+        "--files-as-user",
+        action="store_true",
+        default=env.get(ENVD_FILES_AS_USER_ENV, "").lower() in ("1", "true", "yes"),
+        help="file operations with the rights of the request's user (default: as root, as E2B's envd)",
+    )
+    parser.add_argument(
+        "--default-workdir",
+        default=env.get(ENVD_DEFAULT_WORKDIR_ENV) or None,
+        help="default directory of commands (the template's WORKDIR); default: the user's home",
+    )
     parser.add_argument("--version", action="version", version=ENVD_VERSION)
     args = parser.parse_args(argv)
     return EnvdSettings(
@@ -59,4 +82,6 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
         log_level=args.log_level,
         sync_clock=args.sync_clock,
         stream_buffer_mib=max(1, args.stream_buffer_mib),
+        files_as_user=args.files_as_user,
+        default_workdir=args.default_workdir,
     )

@@ -16,7 +16,6 @@ from forkyard.types import ENVD_INIT_REVALIDATE, SANDBOX_USER, SandboxInstance
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKDIR = f"/home/{SANDBOX_USER}"
 INIT_ATTEMPTS = 20
 
 
@@ -42,7 +41,8 @@ class EnvdClient:
             "envVars": envs,
             "timestamp": utcnow().isoformat().replace("+00:00", "Z"),
             "defaultUser": SANDBOX_USER,
-            "defaultWorkdir": DEFAULT_WORKDIR,
+            # No defaultWorkdir: envd has the template's final WORKDIR from its runtime (E2B's
+            # default directory of commands), else the user's home.
         }
         if not revalidate:
             body[ENVD_INIT_REVALIDATE] = False

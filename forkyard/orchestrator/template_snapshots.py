@@ -72,7 +72,9 @@ class TemplateSnapshots:
         """What a template snapshot is valid for: the runtime, the template build and envd."""
         if self._envd_hash is None:
             self._envd_hash = bundle_hash()
-        return f"{runtime.name}:{info.image.template_id}:{info.build_id}:{self._envd_hash}"
+        # envd's file mode is in its environment, which a snapshot keeps.
+        mode = ":files-as-user" if self._settings.envd_files_as_user else ""
+        return f"{runtime.name}:{info.image.template_id}:{info.build_id}:{self._envd_hash}{mode}"
 
     async def lookup(self, info: templates.TemplateInfo, runtime: Runtime) -> TemplateSnapshot | None:
         """The template's snapshot, or None (boot instead) while it has none; making one then

@@ -9,6 +9,7 @@ copied into one directory that runtimes mount read-only at ``/.forkyard``::
     {data_dir}/envd-runtime/<hash>/
         bin/python3        host interpreter; PT_INTERP and RUNPATH point into /.forkyard/lib
         bin/envd           launcher script (``#!/.forkyard/bin/python3 -I``), needs no /bin/sh
+        bin/sudo           sudo through envd's broker (envd/sudo.py), for gVisor
         lib/               ld-linux-x86-64.so.2, libc.so.6, libpython3.11.so.1.0, libssl, ...
         lib/python3.11/    stdlib (no tests, idle, tkinter, ...), lib-dynload, site-packages
                            (Debian's python: lib/python3/dist-packages, :func:`bundle_site_rel`)
@@ -48,6 +49,8 @@ from forkyard.types import DEFAULT_PATH, ENVD_PORT
 
 #: Where runtimes mount the bundle inside a sandbox.
 MOUNT_POINT = "/.forkyard"
+#: The bundle's sudo client, ``bin/sudo`` (mounted over a template's /usr/bin/sudo under gVisor).
+SUDO_SHIM = "sudo"
 LOADER_NAME = "ld-linux-x86-64.so.2"
 #: Bump to force a rebuild when the layout changes in a way the builder source hash misses.
 BUNDLE_FORMAT = 1
@@ -271,6 +274,7 @@ def _assemble(dest: Path, py: HostPython) -> dict[str, object]:
     libs = _copy_shared_libraries(dest)
     _relocate_elves(dest)
     _write_launcher(dest)
+    _write_sudo(dest, site_rel)
     _compile(dest, STDLIB_REL)
     if not site_dest.is_relative_to(stdlib_dest):
         _compile(dest, site_rel)
@@ -480,6 +484,22 @@ def _write_launcher(dest: Path) -> None:
         'runpy.run_module("forkyard.envd", run_name="__main__", alter_sys=True)\n'
     )
     launcher.chmod(0o755)
+
+
+def _write_sudo(dest: Path, site_rel: str) -> None:
+    """``/.forkyard/bin/sudo``: the sudo that asks envd (forkyard/envd/sudo.py); the gVisor runtime
+    mounts it over the template's /usr/bin/sudo, whose set-uid bit gVisor ignores. ``-S``: no
+    ``site`` (its .pth files cost a third of the start), the one directory it needs put on the path."""
+    sudo = dest / "bin" / SUDO_SHIM
+    sudo.write_text(
+        f"#!{MOUNT_POINT}/bin/python3 -IS\n"
+        '"""sudo through envd (forkyard.envd.sudo_client)."""\n'
+        "import sys\n"
+        f"sys.path.append({MOUNT_POINT + '/' + site_rel!r})\n"
+        "from forkyard.envd.sudo_client import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    sudo.chmod(0o755)
 
 
 def _compile(dest: Path, relative: str) -> None:

@@ -209,6 +209,7 @@ def load_template(template_id: str, settings: Settings) -> TemplateImage:
         memory_mb=int(meta.get("memory_mb", 512)),
         disk_mb=int(meta.get("disk_mb", 4096)),
         runtime=meta.get("runtime"),
+        workdir=str(meta["workdir"]) if meta.get("workdir") else None,
     )
 
 

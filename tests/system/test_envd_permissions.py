@@ -1,5 +1,7 @@
-"""envd's file operations act with the rights of the user a request names, and envd cannot be
-stopped or read by what runs in its sandbox (issue 15, items 4, 6 and 7).
+"""With ``FORKYARD_ENVD_FILES_AS_USER=1`` (ours; E2B's default, file operations as root, is
+tests/system/test_e2b_conventions.py), envd's file operations act with the rights of the user a
+request names; and envd cannot be stopped or read by what runs in its sandbox (issue 15, items
+4, 6 and 7).
 
 Through the official SDK against a real server and a real gVisor sandbox (the base template:
 ``user`` is uid 1000, ``/etc/shadow`` is root's, mode 0640 root:shadow).
@@ -13,18 +15,19 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import InvalidArgumentException, SandboxException
 
-from tests.support.server import ServerProcess
+from tests.support.server import serve
 
 pytestmark = pytest.mark.requires_root("runs a server with real gVisor sandboxes")
 
 
 @pytest.fixture(scope="module")
-def sbx(forkyard_server: ServerProcess) -> Iterator[Sandbox]:
-    sandbox = Sandbox.create(timeout=300, metadata={"suite": "envd-permissions"})
-    try:
-        yield sandbox
-    finally:
-        sandbox.kill()
+def sbx() -> Iterator[Sandbox]:
+    with serve(prefix="forkyard-perm-", extra_env={"FORKYARD_ENVD_FILES_AS_USER": "1"}) as server:
+        sandbox = Sandbox.create(timeout=300, metadata={"suite": "envd-permissions"}, **server.sdk_opts)
+        try:
+            yield sandbox
+        finally:
+            sandbox.kill()
 
 
 def _as_root(sbx: Sandbox, cmd: str) -> str:
@@ -36,6 +39,7 @@ def _denied(exc: pytest.ExceptionInfo[SandboxException]) -> None:
     the SDK raises as SandboxException with the status or code in front."""
     text = str(exc.value).lower()
     assert "403" in text or "permission_denied" in text or "permission denied" in text, text
+    assert ".envd-new-" not in text and ".envd-over-" not in text, text  # the target, not our temp file
 
 
 def test_read_needs_the_users_read_right(sbx: Sandbox) -> None:

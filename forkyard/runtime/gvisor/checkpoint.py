@@ -90,6 +90,8 @@ def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
             "template_id": instance.state.get("template_id"),
             "template_rootfs": instance.state.get("template_rootfs"),
             "platform": instance.state.get("platform"),
+            # /usr/bin/sudo mounted over by envd's (a restore needs the mounts its checkpoint had)
+            "sudo_shim": bool(instance.state.get("sudo_shim")),
             "layers": chain,
             "created_at": time.time(),
         },

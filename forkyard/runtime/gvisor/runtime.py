@@ -35,6 +35,7 @@ from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
 from forkyard.storage.envd_bundle import (
     MOUNT_POINT,
+    SUDO_SHIM,
     build_envd_bundle,
     bundle_hash,
     envd_argv,
@@ -43,6 +44,8 @@ from forkyard.storage.envd_bundle import (
 )
 from forkyard.types import (
     ENVD_ACCESS_TOKEN_ENV,
+    ENVD_DEFAULT_WORKDIR_ENV,
+    ENVD_FILES_AS_USER_ENV,
     ENVD_PORT,
     LiveSnapshots,
     RuntimeName,
@@ -151,8 +154,9 @@ class GvisorRuntime(Runtime):
             rootfs = await asyncio.to_thread(
                 self.disks.mount, paths, spec.template.rootfs, [], spec.template.disk_mb
             )
-            self._write_bundle(spec, net, rootfs, envd_bundle)
-            instance = self._instance(spec, net, envd_bundle)
+            sudo_shim = self._has_sudo(rootfs)
+            self._write_bundle(spec, net, rootfs, envd_bundle, sudo_shim)
+            instance = self._instance(spec, net, envd_bundle, sudo_shim)
             await self.runsc.start(paths)
             self._guard_memory(paths)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
@@ -210,8 +214,9 @@ class GvisorRuntime(Runtime):
             rootfs = await asyncio.to_thread(
                 self.disks.mount, paths, spec.template.rootfs, chain, spec.template.disk_mb
             )
-            self._write_bundle(spec, net, rootfs, envd_bundle)
-            instance = self._instance(spec, net, envd_bundle)
+            sudo_shim = self._has_sudo(rootfs)
+            self._write_bundle(spec, net, rootfs, envd_bundle, sudo_shim)
+            instance = self._instance(spec, net, envd_bundle, sudo_shim)
             await self.runsc.start(paths)
             self._guard_memory(paths)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_START_TIMEOUT)
@@ -264,14 +269,37 @@ class GvisorRuntime(Runtime):
 
     # -- what a sandbox is made of --------------------------------------------------------------
 
+    @staticmethod
+    def _has_sudo(rootfs: Path) -> bool:
+        """gVisor ignores set-uid bits ("no new privileges"): a template's sudo gives way to the
+        bundle's, which asks envd (forkyard/envd/sudo.py). Decided at boot and kept in the
+        snapshot's meta: a restore must have the mounts its checkpoint had."""
+        return os.path.lexists(rootfs / "usr/bin/sudo")
+
+    @staticmethod
+    def _sudo_mounts(envd_bundle: Path, sudo_shim: bool) -> list[dict[str, Any]]:
+        if not sudo_shim:
+            return []
+        shim = str(envd_bundle / "bin" / SUDO_SHIM)
+        return [{"destination": "/usr/bin/sudo", "type": "bind", "source": shim, "options": ["bind", "ro"]}]
+
     def oci_spec(
-        self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path
+        self,
+        spec: SandboxSpec,
+        net: SandboxNetwork,
+        rootfs: Path,
+        envd_bundle: Path,
+        sudo_shim: bool = False,
     ) -> dict[str, Any]:
         """The OCI runtime config.json of a sandbox."""
         env = envd_env(spec.envs)
         if spec.envd_access_token:
             env[ENVD_ACCESS_TOKEN_ENV] = spec.envd_access_token
         tpl = spec.template
+        if tpl.workdir:
+            env[ENVD_DEFAULT_WORKDIR_ENV] = tpl.workdir
+        if self.settings.envd_files_as_user:
+            env[ENVD_FILES_AS_USER_ENV] = "1"
         caps = list(CAPABILITIES)
         return {
             "ociVersion": "1.0.2",
@@ -313,6 +341,7 @@ class GvisorRuntime(Runtime):
                     "source": str(envd_bundle),
                     "options": ["rbind", "ro"],
                 },
+                *self._sudo_mounts(envd_bundle, sudo_shim),
             ],
             "linux": {
                 "namespaces": [
@@ -339,12 +368,17 @@ class GvisorRuntime(Runtime):
             },
         }
 
-    def _write_bundle(self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path) -> None:
+    def _write_bundle(
+        self, spec: SandboxSpec, net: SandboxNetwork, rootfs: Path, envd_bundle: Path, sudo_shim: bool
+    ) -> None:
         bundle = self.paths(spec.sandbox_id).bundle
         bundle.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(bundle / "config.json", self.oci_spec(spec, net, rootfs, envd_bundle), indent=2)
+        config = self.oci_spec(spec, net, rootfs, envd_bundle, sudo_shim)
+        write_json_atomic(bundle / "config.json", config, indent=2)
 
-    def _instance(self, spec: SandboxSpec, net: SandboxNetwork, envd_bundle: Path) -> SandboxInstance:
+    def _instance(
+        self, spec: SandboxSpec, net: SandboxNetwork, envd_bundle: Path, sudo_shim: bool
+    ) -> SandboxInstance:
         return SandboxInstance(
             sandbox_id=spec.sandbox_id,
             runtime=self.name,
@@ -360,6 +394,7 @@ class GvisorRuntime(Runtime):
                 "memory_mb": spec.template.memory_mb,
                 "disk_mb": spec.template.disk_mb,
                 "platform": self.runsc.platform(),
+                "sudo_shim": sudo_shim,
             },
         )
 
@@ -584,8 +619,9 @@ class GvisorRuntime(Runtime):
         try:
             await _both(net_step, disk_step)
             net, rootfs = net_step.result(), disk_step.result()
-            self._write_bundle(spec, net, rootfs, envd_bundle)
-            instance = self._instance(spec, net, envd_bundle)
+            sudo_shim = bool(meta.get("sudo_shim"))  # as the checkpoint had it (older ones: none)
+            self._write_bundle(spec, net, rootfs, envd_bundle, sudo_shim)
+            instance = self._instance(spec, net, envd_bundle, sudo_shim)
             t = time.monotonic()
             await checkpoint.restore_container(self.runsc, paths, source.path / MEMORY_DIR, net)
             self._guard_memory(paths)
