@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import SandboxException, SandboxNotRunningException
@@ -235,5 +236,13 @@ def test_template_workdir_is_the_default_directory(build_server: ServerProcess) 
         assert sandbox.commands.run("ls marker").exit_code == 0
         # Explicit cwd still wins; files API paths stay relative to the user's home.
         assert sandbox.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+        # Restored from the build's template snapshot: its sudo mount came back with it.
+        logs = httpx.get(
+            f"{build_server.url}/v2/sandboxes/{sandbox.sandbox_id}/logs",
+            headers=build_server.headers,
+            timeout=30,
+        ).json()["logs"]
+        assert any("template's snapshot" in entry["message"] for entry in logs), logs
+        assert sandbox.commands.run("sudo whoami").stdout == "root\n"
     finally:
         sandbox.kill()
