@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 FORKYARD := .venv/bin/forkyard
 
-.PHONY: run test test-unit bench bootstrap template lint proto clean
+.PHONY: run test test-unit bench bootstrap template code-interpreter lint proto clean
 
 # One lint recipe for `make lint` and `make test`.
 define LINT
@@ -20,11 +20,16 @@ bootstrap:
 template: bootstrap
 	$(FORKYARD) template build base
 
+# E2B's code interpreter (its system tests and bench rows): about 10-20 min once, then instant.
+# `make run` does not wait for it: `forkyard serve` builds it in the background when missing.
+code-interpreter: template
+	$(FORKYARD) template build code-interpreter-v1
+
 run: template
 	$(FORKYARD) serve
 
 # The whole suite: unit and system tests (root; system tests need runsc, QEMU, the template).
-test: template
+test: template code-interpreter
 	@scripts/bootstrap.sh --test
 	$(LINT)
 	$(PY) -m pytest -rs $(PYTEST_ARGS)
@@ -39,7 +44,7 @@ $(PY):
 	.venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
 	touch .venv/.forkyard-installed
 
-bench: template
+bench: template code-interpreter
 	$(PY) -m bench $(BENCH_ARGS)
 
 lint: bootstrap

@@ -133,6 +133,7 @@ BENCHMARKS = (
     "rl",
     "cluster",
     "fork_spill",
+    "code_interpreter",
 )
 
 
@@ -192,6 +193,11 @@ def main() -> None:
         # runtimes starts a server per runtime: the URL and key arguments are not used.
         attempt("runtimes", lambda: runtimes.run("", "", args.runs))  # type: ignore[attr-defined]
 
+    if "code_interpreter" in wanted:
+        from bench import code_interpreter
+
+        # E2B's code interpreter beside base, on its own server (both templates pooled).
+        attempt("code_interpreter", lambda: code_interpreter.run(args.runs))
     if "microvm" in wanted:
         from bench import microvm
 

@@ -9,7 +9,13 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from forkyard.api import routes_lifecycle, routes_network, routes_sandboxes, routes_templates
+from forkyard.api import (
+    code_interpreter,
+    routes_lifecycle,
+    routes_network,
+    routes_sandboxes,
+    routes_templates,
+)
 from forkyard.api.console import install as install_console
 from forkyard.api.errors import install_error_handlers
 from forkyard.api.limits import BodyLimit
@@ -72,6 +78,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.orchestrator = await hub.start()
+        await code_interpreter.build_in_background(app.state)
         try:
             yield
         finally:

@@ -49,7 +49,11 @@ def _settings(request: Request) -> Settings:
 
 def builder(request: Request) -> TemplateBuilder:
     """The node's builder, made on first use from the running orchestrator's parts."""
-    state = request.app.state
+    return node_builder(request.app.state)
+
+
+def node_builder(state: Any) -> TemplateBuilder:
+    """:func:`builder` from the app's state (start-up, where no request exists)."""
     found: TemplateBuilder | None = getattr(state, "template_builder", None)
     if found is None:
         orch: Orchestrator = state.orchestrator

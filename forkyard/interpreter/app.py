@@ -6,6 +6,7 @@ input, 404 for an unknown context.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -113,7 +114,7 @@ async def create_context(request: Request) -> Response:
     cwd = _optional_str(body, "cwd")
     if cwd is not None and not os.path.isabs(cwd):
         raise BadRequest(f"cwd must be an absolute path, not {cwd!r}")
-    if cwd is not None and not os.path.isdir(cwd):
+    if cwd is not None and not await asyncio.to_thread(os.path.isdir, cwd):
         raise BadRequest(f"cwd {cwd!r} is not a directory")
     context = await request.app.state.contexts.create(language, cwd)
     return JSONResponse(context.as_json())

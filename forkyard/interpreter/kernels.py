@@ -142,12 +142,10 @@ class Kernel:
                 return
             yield msg
 
-    async def _drain(self, msg_id: str, timeout: float) -> None:
-        async def until_idle() -> None:
+    async def _drain(self, msg_id: str, limit_s: float) -> None:
+        async with asyncio.timeout(limit_s):
             async for _ in self._messages(msg_id):
                 pass
-
-        await asyncio.wait_for(until_idle(), timeout)
 
     async def _recover(self, msg_id: str, *, restore: bool) -> None:
         try:

@@ -38,7 +38,10 @@ def _python_set(envs: dict[str, str]) -> str:
 _PYTHON_RESTORE = (
     "import os as __fy_os\n"
     "for __fy_k, __fy_v in __fy_saved.items():\n"
-    "    __fy_os.environ.pop(__fy_k, None) if __fy_v is None else __fy_os.environ.__setitem__(__fy_k, __fy_v)\n"
+    "    if __fy_v is None:\n"
+    "        __fy_os.environ.pop(__fy_k, None)\n"
+    "    else:\n"
+    "        __fy_os.environ[__fy_k] = __fy_v\n"
     "del __fy_saved, __fy_os\n"
     "try:\n    del __fy_k, __fy_v\nexcept NameError:\n    pass\n"
 )
