@@ -21,10 +21,12 @@ async def build_in_background(state: Any) -> None:
     """Start the template's build unless it is built or being built (errors are logged: the
     server serves ``base`` either way)."""
     settings = state.settings
-    if not settings.build_code_interpreter or code_interpreter.is_built(settings):
+    if not settings.build_code_interpreter:
         return
     the_builder = node_builder(state)
-    if the_builder.building(code_interpreter.TEMPLATE_ID):
+    if the_builder.building(code_interpreter.TEMPLATE_ID) or code_interpreter.is_current(
+        the_builder, settings
+    ):
         return
     try:
         build, spec = await code_interpreter.prepare(the_builder)

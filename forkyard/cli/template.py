@@ -67,10 +67,7 @@ def build(
         _build_recipe(template_id, settings, force)
         return
     if template_id == code_interpreter.TEMPLATE_ID and not custom:
-        if code_interpreter.is_built(settings) and not force:
-            typer.echo(f"template {template_id}: already built")
-            return
-        if not asyncio.run(_build_code_interpreter(settings)):
+        if not asyncio.run(_build_code_interpreter(settings, force)):
             raise typer.Exit(1)
         return
     if spec is not None:
@@ -183,10 +180,15 @@ async def _build_custom(
     return True
 
 
-async def _build_code_interpreter(settings: Settings) -> bool:
-    """The built-in ``code-interpreter-v1`` (its spec: :mod:`forkyard.orchestrator.code_interpreter`)."""
+async def _build_code_interpreter(settings: Settings, force: bool) -> bool:
+    """The built-in ``code-interpreter-v1`` (its spec: :mod:`forkyard.orchestrator.code_interpreter`),
+    unless it is built from the current spec already."""
     runtime, _ = select_runtime(settings)
     builder = TemplateBuilder(settings, RuntimeSet(settings, runtime), None)
+    if not force and code_interpreter.is_current(builder, settings):
+        typer.echo(f"template {code_interpreter.TEMPLATE_ID}: already built from the current spec")
+        await builder.close()
+        return True
     try:
         build, spec = await code_interpreter.prepare(builder)
         build.listener = lambda entry: typer.echo(_log_line(entry))

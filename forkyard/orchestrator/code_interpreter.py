@@ -151,6 +151,22 @@ async def _stage(builder: TemplateBuilder, data: bytes) -> str:
     return files_hash
 
 
+def current_spec() -> BuildSpec:
+    """The spec as the code here says, its files hashed but not staged."""
+    return build_spec(
+        hashlib.sha256(certs_archive()).hexdigest(), hashlib.sha256(server_archive()).hexdigest()
+    )
+
+
+def is_current(builder: TemplateBuilder, settings: Settings) -> bool:
+    """Built from this very spec (server code, packages, the parent's current build): a template
+    built from older code is rebuilt (its unchanged steps come from the step cache)."""
+    if not is_built(settings):
+        return False
+    wanted = builder.final_layer_key(current_spec())
+    return wanted is not None and storage.read_metadata(TEMPLATE_ID, settings).get("layer_key") == wanted
+
+
 async def prepare(builder: TemplateBuilder) -> tuple[Build, BuildSpec]:
     """A build of the template, its files staged; the caller runs it (``builder.run``) or starts
     it in the background (``builder.start``)."""
