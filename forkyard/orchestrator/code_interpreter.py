@@ -137,6 +137,9 @@ def build_spec(certs_hash: str, server_hash: str) -> BuildSpec:
         BuildStep("RUN", [_NPM, "root"]),
         BuildStep("RUN", [_CHECK, "root"]),
         BuildStep("COPY", [".", f"{SERVER_DIR}/", "root", ""], server_hash),
+        # `!pip install x` in a cell installs into the user's site (the system's is root's); a
+        # kernel puts that directory on sys.path only if it exists when the kernel starts.
+        BuildStep("RUN", [_USER_SITE, "user"]),
     ]
     return BuildSpec(from_template="base", steps=steps, start_cmd=START_CMD, ready_cmd=READY_CMD)
 
