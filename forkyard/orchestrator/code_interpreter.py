@@ -99,6 +99,7 @@ _CERTS = (
     f"cp {SERVER_DIR}/certs/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; fi"
 )
 _CHECK = "jupyter kernelspec list && node --version && R --version | head -1 && java -version"
+_USER_SITE = 'mkdir -p "$(python3 -m site --user-site)"'
 START_CMD = f"cd {SERVER_DIR} && exec python3 -m interpreter supervise >> /tmp/forkyard-interpreter.log 2>&1"
 READY_CMD = f"curl -sf http://127.0.0.1:{INTERPRETER_PORT}/health"
 

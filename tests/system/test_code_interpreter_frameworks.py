@@ -39,7 +39,8 @@ def tiny_wheel(name: str, version: str, module_source: str) -> tuple[str, bytes]
     files = {
         f"{name}.py": module_source.encode(),
         f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: forkyard-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: forkyard-tests\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
     }
     record = []
     for path, data in files.items():
