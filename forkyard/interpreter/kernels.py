@@ -103,6 +103,7 @@ class Kernel:
         that stops reading hands the kernel to :meth:`_recover`, which releases it once idle."""
         await self.lock.acquire()
         msg_id = None
+        cell_done = False
         try:
             await self.ensure_alive()
             await self.apply_sandbox_envs(sandbox_envs)
@@ -113,11 +114,14 @@ class Kernel:
                 line = _line(msg)
                 if line is not None:
                     yield line
+            cell_done = True
             if envs:
                 await self.run_silently(self.language.restore_env)
         except BaseException:
             if msg_id is not None:
-                asyncio.get_running_loop().create_task(self._recover(msg_id, restore=bool(envs)))
+                # A cell still running is interrupted; one that ended only needs its variables back.
+                recover = self._recover(None if cell_done else msg_id, restore=bool(envs))
+                asyncio.get_running_loop().create_task(recover)
                 raise
             self.lock.release()
             raise
@@ -147,10 +151,11 @@ class Kernel:
             async for _ in self._messages(msg_id):
                 pass
 
-    async def _recover(self, msg_id: str, *, restore: bool) -> None:
+    async def _recover(self, msg_id: str | None, *, restore: bool) -> None:
         try:
-            await self.manager.interrupt_kernel()
-            await self._drain(msg_id, INTERRUPT_GRACE_S)
+            if msg_id is not None:
+                await self.manager.interrupt_kernel()
+                await self._drain(msg_id, INTERRUPT_GRACE_S)
             if restore:
                 await self.run_silently(self.language.restore_env)
         except Exception:
