@@ -111,7 +111,7 @@ class Kernel:
                 await self.run_silently(self.language.set_env(envs))
             msg_id = self.client.execute(code, silent=False, store_history=True, allow_stdin=False)
             async for msg in self._messages(msg_id):
-                line = _line(msg)
+                line = _line(msg, self.language)
                 if line is not None:
                     yield line
             cell_done = True
@@ -166,13 +166,13 @@ class Kernel:
             self.lock.release()
 
 
-def _line(msg: dict[str, Any]) -> dict[str, Any] | None:
+def _line(msg: dict[str, Any], language: Language) -> dict[str, Any] | None:
     kind = msg["header"]["msg_type"]
     if kind == "keepalive":
         return {"type": "keepalive"}
     if kind == "execute_input":
         return {"type": "number_of_executions", "execution_count": msg["content"]["execution_count"]}
-    return translate(msg)
+    return translate(msg, displays_are_results=language.displays_are_results)
 
 
 def _forget_saved(language: Language) -> str:

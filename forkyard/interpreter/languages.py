@@ -23,6 +23,9 @@ class Language:
     set_env: EnvCode
     #: Code that restores what the last ``set_env`` changed.
     restore_env: str
+    #: The kernel shows a cell's value as display data, not as an execute result (IRkernel's
+    #: autoprint): its displays are the cell's results (``Execution.text``).
+    displays_are_results: bool = False
 
 
 def _python_set(envs: dict[str, str]) -> str:
@@ -102,7 +105,7 @@ LANGUAGES: dict[str, Language] = {
     "javascript": Language("javascript", "jslab", _js_set, _JS_RESTORE),
     "typescript": Language("typescript", "tslab", _js_set, _JS_RESTORE),
     "bash": Language("bash", "bash", _bash_set, _BASH_RESTORE),
-    "r": Language("r", "ir", _r_set, _R_RESTORE),
+    "r": Language("r", "ir", _r_set, _R_RESTORE, displays_are_results=True),
     "java": Language("java", "java", _no_env, ""),
 }
 ALIASES = {"js": "javascript", "ts": "typescript", "py": "python", "python3": "python", "sh": "bash"}

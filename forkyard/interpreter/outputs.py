@@ -70,7 +70,7 @@ def stream_line(content: dict[str, Any]) -> dict[str, Any]:
     return {"type": kind, "text": str(content.get("text", "")), "timestamp": timestamp_ns()}
 
 
-def translate(msg: dict[str, Any]) -> dict[str, Any] | None:
+def translate(msg: dict[str, Any], *, displays_are_results: bool = False) -> dict[str, Any] | None:
     """One iopub message as an output line, None for messages the SDKs have no line for
     (status, execute_input: their information is sent separately)."""
     kind = msg["header"]["msg_type"]
@@ -80,7 +80,7 @@ def translate(msg: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "execute_result":
         return result_line(content.get("data", {}), is_main_result=True)
     if kind == "display_data":
-        return result_line(content.get("data", {}), is_main_result=False)
+        return result_line(content.get("data", {}), is_main_result=displays_are_results)
     if kind == "error":
         return error_line(content)
     return None
