@@ -20,7 +20,7 @@ from typing import Any
 from jupyter_client.manager import AsyncKernelManager
 
 from .languages import Language
-from .outputs import translate
+from .outputs import error_line, translate
 
 logger = logging.getLogger("forkyard.interpreter")
 
@@ -30,6 +30,8 @@ START_TIMEOUT_S = 120.0
 INTERRUPT_GRACE_S = 10.0
 #: Silence after which an execution stream sends a keepalive line (proxies drop idle streams).
 KEEPALIVE_S = 5.0
+#: The execute reply comes with or just after the kernel's idle status.
+REPLY_WAIT_S = 2.0
 STARTUP_FILE = Path(__file__).with_name("ipython_startup.py")
 
 
@@ -110,11 +112,16 @@ class Kernel:
             if envs:
                 await self.run_silently(self.language.set_env(envs))
             msg_id = self.client.execute(code, silent=False, store_history=True, allow_stdin=False)
+            errored = False
             async for msg in self._messages(msg_id):
                 line = _line(msg, self.language)
                 if line is not None:
+                    errored = errored or line["type"] == "error"
                     yield line
             cell_done = True
+            reply = await self._reply(msg_id)
+            if not errored and reply.get("status") == "error":
+                yield error_line(reply)  # tslab reports a cell's exception only in its reply
             if envs:
                 await self.run_silently(self.language.restore_env)
         except BaseException:
@@ -145,6 +152,19 @@ class Kernel:
             if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
                 return
             yield msg
+
+    async def _reply(self, msg_id: str) -> dict[str, Any]:
+        """The content of the execute reply to ``msg_id`` (replies to our silent requests before
+        it are skipped); {} when none comes in time (the outputs were complete anyway)."""
+        try:
+            async with asyncio.timeout(REPLY_WAIT_S):
+                while True:
+                    msg = await self.client.get_shell_msg()
+                    if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                        content: dict[str, Any] = msg.get("content", {})
+                        return content
+        except TimeoutError:
+            return {}
 
     async def _drain(self, msg_id: str, limit_s: float) -> None:
         async with asyncio.timeout(limit_s):
