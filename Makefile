@@ -26,7 +26,7 @@ code-interpreter: template
 	$(FORKYARD) template build code-interpreter-v1
 
 run: template
-	$(FORKYARD) serve
+	FORKYARD_BUILD_CODE_INTERPRETER=true $(FORKYARD) serve
 
 # The whole suite: unit and system tests (root; system tests need runsc, QEMU, the template).
 test: template code-interpreter

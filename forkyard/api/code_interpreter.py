@@ -1,4 +1,4 @@
-"""``code-interpreter-v1`` on a serving node: built in the background at start-up when missing
+"""``code-interpreter-v1`` on a serving node: built in the background at start-up when missing (`make run`)
 (``FORKYARD_BUILD_CODE_INTERPRETER``), its progress in the server's log and in the template's
 builds (``GET /templates/code-interpreter-v1``, ``forkyard template list``); a create that comes
 before it is ready is told so."""
@@ -13,6 +13,7 @@ from forkyard.api.routes_templates import node_builder
 from forkyard.errors import Unavailable
 from forkyard.orchestrator import code_interpreter
 from forkyard.orchestrator.builder import Build, LogEntry
+from forkyard.storage import templates as storage
 
 logger = logging.getLogger("forkyard.code_interpreter")
 
@@ -21,8 +22,8 @@ async def build_in_background(state: Any) -> None:
     """Start the template's build unless it is built or being built (errors are logged: the
     server serves ``base`` either way)."""
     settings = state.settings
-    if not settings.build_code_interpreter:
-        return
+    if not settings.build_code_interpreter or not storage.is_built("base", settings):
+        return  # off, or nothing to build from (the node serves no base either)
     the_builder = node_builder(state)
     if the_builder.building(code_interpreter.TEMPLATE_ID) or code_interpreter.is_current(
         the_builder, settings
