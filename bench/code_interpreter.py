@@ -34,19 +34,21 @@ POOL_WAIT_SECONDS = 300.0
 TARGETS_MS = {"create_to_first_result": 150, "run_code_round_trip": 25, "matplotlib_chart": 400}
 
 
-def _ready_in_pool(server: Any, template: str) -> int:
+def _pooled(server: Any, registry: Registry, template: str) -> int:
+    """Sandboxes the pool of ``template`` announced that no create claimed yet."""
     log = server.log_path.read_text(errors="replace")
-    return len(re.findall(rf"warm pool \S*{re.escape(template)}\S*: \S+ ready in", log))
+    announced = re.findall(rf"warm pool \S*{re.escape(template)}\S*: (\S+) ready in", log)
+    return len(set(announced) - registry.sandbox_ids())
 
 
-def _wait_pool(server: Any, template: str, announced: int) -> None:
-    """Until the pool of ``template`` announced more than ``announced`` sandboxes (a refill)."""
+def _wait_pool(server: Any, registry: Registry, template: str) -> None:
+    """Until the pool of ``template`` holds a sandbox (a claim below the low mark refills it)."""
     deadline = time.monotonic() + POOL_WAIT_SECONDS
-    while _ready_in_pool(server, template) <= announced:
+    while _pooled(server, registry, template) < 1:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the warm pool of {template} did not refill in {POOL_WAIT_SECONDS:.0f} s")
+            raise RuntimeError(f"the warm pool of {template} held nothing for {POOL_WAIT_SECONDS:.0f} s")
         time.sleep(0.05)
-    time.sleep(1.5)  # the refill's restore leaves the cores (FORKYARD_POOL_REFILL_QUIET_MS)
+    time.sleep(1.5)  # a refill's restore leaves the cores (FORKYARD_POOL_REFILL_QUIET_MS)
 
 
 def run(runs: int) -> dict[str, Any]:
@@ -66,9 +68,8 @@ def run(runs: int) -> dict[str, Any]:
         opts = server.sdk_opts
         registry = Registry(server.data_dir)
         for template in ("base", TEMPLATE):
-            _wait_pool(server, template, 0)
+            _wait_pool(server, registry, template)
         for i in range(creates):
-            announced = _ready_in_pool(server, TEMPLATE)
             started = time.perf_counter()
             sbx = Sandbox.create(timeout=300, **opts)
             first = sbx.run_code("1+1")
@@ -83,8 +84,7 @@ def run(runs: int) -> dict[str, Any]:
                 for _ in range(runs):
                     samples["matplotlib_chart"].append(timed(lambda s=sbx: _chart(s, errors)))
             sbx.kill()
-            _wait_pool(server, TEMPLATE, announced)
-            announced = _ready_in_pool(server, "base")
+            _wait_pool(server, registry, TEMPLATE)
             started = time.perf_counter()
             base = BaseSandbox.create("base", timeout=300, **opts)
             base.commands.run("echo hi")
@@ -93,7 +93,7 @@ def run(runs: int) -> dict[str, Any]:
                 for _ in range(runs):
                     samples["commands_run_true"].append(timed(lambda b=base: b.commands.run("true")))
             base.kill()
-            _wait_pool(server, "base", announced)
+            _wait_pool(server, registry, "base")
         memory = _idle_memory(Sandbox, BaseSandbox, opts)
     result: dict[str, Any] = {name: stats(values) for name, values in samples.items()}
     result["idle_pss_mib"] = memory

@@ -20,7 +20,7 @@ from typing import Any
 from jupyter_client.manager import AsyncKernelManager
 
 from .languages import Language
-from .outputs import error_line, translate
+from .outputs import reply_error_line, translate
 
 logger = logging.getLogger("forkyard.interpreter")
 
@@ -112,16 +112,18 @@ class Kernel:
             if envs:
                 await self.run_silently(self.language.set_env(envs))
             msg_id = self.client.execute(code, silent=False, store_history=True, allow_stdin=False)
-            errored = False
+            errored, stderr = False, []
             async for msg in self._messages(msg_id):
                 line = _line(msg, self.language)
                 if line is not None:
                     errored = errored or line["type"] == "error"
+                    if line["type"] == "stderr":
+                        stderr.append(line["text"])
                     yield line
             cell_done = True
             reply = await self._reply(msg_id)
             if not errored and reply.get("status") == "error":
-                yield error_line(reply)  # tslab reports a cell's exception only in its reply
+                yield reply_error_line(reply, "".join(stderr))
             if envs:
                 await self.run_silently(self.language.restore_env)
         except BaseException:

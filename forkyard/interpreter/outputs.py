@@ -9,6 +9,7 @@ data ``e2b_charts`` extracts from a matplotlib figure.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -63,6 +64,17 @@ def error_line(content: dict[str, Any]) -> dict[str, Any]:
         "value": str(content.get("evalue", "")),
         "traceback": "\n".join(traceback) if isinstance(traceback, list) else str(traceback),
     }
+
+
+def reply_error_line(reply: dict[str, Any], stderr: str) -> dict[str, Any]:
+    """A failed cell's error from its execute reply (tslab sends no iopub error; its reply has no
+    name or value either: they come from the exception it printed on stderr, ``Name: value``)."""
+    line = error_line(reply)
+    if not line["name"]:
+        found = re.search(r"^(\w*(?:Error|Exception)\w*): ?(.*)$", stderr, re.M)
+        line["name"], line["value"] = (found.group(1), found.group(2)) if found else ("Error", stderr.strip())
+        line["traceback"] = line["traceback"] or stderr
+    return line
 
 
 def stream_line(content: dict[str, Any]) -> dict[str, Any]:

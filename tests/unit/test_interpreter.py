@@ -165,3 +165,11 @@ def test_result_line_maps_mime_types_and_keeps_unknown_ones_in_extra() -> None:
         "data": {"columns": []},
         "extra": {"application/x-custom": {"k": 1}},
     }
+
+
+def test_an_error_only_in_the_reply_takes_its_name_and_value_from_stderr() -> None:
+    stderr = "evalmachine.<anonymous>:2\nthrow new Error('js failure');\n^\n\nError: js failure\n    at x\n"
+    line = outputs.reply_error_line({"status": "error"}, stderr)
+    assert line == {"type": "error", "name": "Error", "value": "js failure", "traceback": stderr}
+    named = outputs.reply_error_line({"status": "error", "ename": "E", "evalue": "v", "traceback": ["t"]}, "")
+    assert named == {"type": "error", "name": "E", "value": "v", "traceback": "t"}
