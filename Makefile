@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 FORKYARD := .venv/bin/forkyard
 
-.PHONY: run test test-unit bench bootstrap template lint proto clean kvm-host
+.PHONY: run test test-unit bench bootstrap template code-interpreter lint proto clean kvm-host
 
 # One lint recipe for `make lint` and `make test`.
 define LINT
@@ -21,11 +21,16 @@ bootstrap:
 template: bootstrap
 	$(FORKYARD) template build base
 
+# E2B's code interpreter (its system tests and bench rows): about 10-20 min once, then instant.
+# `make run` does not wait for it: `forkyard serve` builds it in the background when missing.
+code-interpreter: template
+	$(FORKYARD) template build code-interpreter-v1
+
 run: template
-	$(FORKYARD) serve
+	FORKYARD_BUILD_CODE_INTERPRETER=true $(FORKYARD) serve
 
 # The whole suite: unit and system tests (root; system tests need runsc, QEMU, the template).
-test: template
+test: template code-interpreter
 	@scripts/bootstrap.sh --test
 	$(LINT)
 	$(PY) -m pytest -rs $(PYTEST_ARGS)
@@ -45,7 +50,7 @@ $(PY):
 kvm-host: template
 	PYTHONPATH=$(CURDIR) $(PY) -m tests.support.kvmhost
 
-bench: template
+bench: template code-interpreter
 	$(PY) -m bench $(BENCH_ARGS)
 
 lint: bootstrap

@@ -134,6 +134,7 @@ BENCHMARKS = (
     "fork_stream",
     "cluster",
     "fork_spill",
+    "code_interpreter",
 )
 
 
@@ -193,6 +194,11 @@ def main() -> None:
         # runtimes starts a server per runtime: the URL and key arguments are not used.
         attempt("runtimes", lambda: runtimes.run("", "", args.runs))  # type: ignore[attr-defined]
 
+    if "code_interpreter" in wanted:
+        from bench import code_interpreter
+
+        # E2B's code interpreter beside base, on its own server (both templates pooled).
+        attempt("code_interpreter", lambda: code_interpreter.run(args.runs))
     if "microvm" in wanted:
         from bench import microvm
 

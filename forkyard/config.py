@@ -174,6 +174,10 @@ class Settings(BaseSettings):
     #: Templates are snapshots: the first create of a template also boots one sandbox of it in
     #: the background and snapshots it with envd running; later creates restore that snapshot.
     template_snapshots: bool = True
+    #: Build ``code-interpreter-v1`` (E2B's code interpreter) in the background at start-up when
+    #: the templates directory lacks it or has it from an older spec (`make run` turns it on;
+    #: forkyard/orchestrator/code_interpreter.py).
+    build_code_interpreter: bool = False
     #: Templates whose snapshot is made at start-up and kept in a warm pool of restored sandboxes.
     warm_pool_templates: list[str] = ["base"]
     #: Warm pool watermarks: a claim that leaves fewer than ``low`` ready sandboxes refills the

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 
 from forkyard.api import (
+    code_interpreter,
     routes_fork_stream,
     routes_lifecycle,
     routes_network,
@@ -75,6 +76,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.orchestrator = await hub.start()
+        await code_interpreter.build_in_background(app.state)
         try:
             yield
         finally:

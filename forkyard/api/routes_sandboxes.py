@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from forkyard.api import code_interpreter
 from forkyard.api.auth import require_api_key
 from forkyard.api.e2b_wire import (
     LIST_LIMIT_MAX,
@@ -34,6 +35,7 @@ from forkyard.api.schemas import (
     SandboxTimeoutRequest,
 )
 from forkyard.errors import Invalid
+from forkyard.orchestrator import templates
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator
 from forkyard.orchestrator.logs import LEVELS, log_record
@@ -153,7 +155,13 @@ async def _create(
     request: Request, orch: Orchestrator, body: NewSandbox, *, secure: bool, idempotency_key: str | None
 ) -> JSONResponse:
     req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
-    rec = await orch.create(req, idempotency_key=idempotency_key)
+    try:
+        rec = await orch.create(req, idempotency_key=idempotency_key)
+    except templates.TemplateNotFound:
+        building = code_interpreter.not_ready_error(request.app.state, req.template_id)
+        if building is not None:
+            raise building from None
+        raise
     return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
 
 

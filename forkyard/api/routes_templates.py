@@ -47,7 +47,12 @@ def _settings(request: Request) -> Settings:
 
 def builder(request: Request) -> TemplateBuilder:
     """The node's builder (composed with the rest in ``build_orchestrator``)."""
-    orch: Orchestrator = request.app.state.orchestrator
+    return node_builder(request.app.state)
+
+
+def node_builder(state: Any) -> TemplateBuilder:
+    """:func:`builder` from the app's state (start-up, where no request exists)."""
+    orch: Orchestrator = state.orchestrator
     return orch.template_owner.builder
 
 

@@ -27,6 +27,7 @@ from forkyard.api.routes_templates import build_spec
 from forkyard.api.schemas import TemplateBuildStartV2
 from forkyard.config import Settings
 from forkyard.errors import ForkyardError
+from forkyard.orchestrator import code_interpreter
 from forkyard.orchestrator.builder import (
     BASE_STEP,
     FINALIZE_STEP,
@@ -64,6 +65,10 @@ def build(
     custom = spec or from_template or from_image or run or copy or start_cmd or ready_cmd
     if template_id in RECIPES and not custom:
         _build_recipe(template_id, settings, force)
+        return
+    if template_id == code_interpreter.TEMPLATE_ID and not custom:
+        if not asyncio.run(_build_code_interpreter(settings, force)):
+            raise typer.Exit(1)
         return
     if spec is not None:
         body = TemplateBuildStartV2.model_validate(json.loads(spec.read_text()), strict=False)
@@ -175,6 +180,31 @@ async def _build_custom(
     return True
 
 
+async def _build_code_interpreter(settings: Settings, force: bool) -> bool:
+    """The built-in ``code-interpreter-v1`` (its spec: :mod:`forkyard.orchestrator.code_interpreter`),
+    unless it is built from the current spec already."""
+    runtime, _ = select_runtime(settings)
+    builder = TemplateBuilder(settings, RuntimeSet(settings, runtime), None)
+    if not force and code_interpreter.is_current(builder, settings):
+        typer.echo(f"template {code_interpreter.TEMPLATE_ID}: already built from the current spec")
+        await builder.close()
+        return True
+    try:
+        build, spec = await code_interpreter.prepare(builder)
+        build.listener = lambda entry: typer.echo(_log_line(entry))
+        await builder.run(build, spec)
+    except ForkyardError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        return False
+    finally:
+        await builder.close()
+    if build.status != "ready":
+        typer.echo(f"error: {build.reason.message if build.reason else 'build failed'}", err=True)
+        return False
+    typer.echo(f"template {build.template_id}: build {build.build_id} ready")
+    return True
+
+
 def _log_line(entry: LogEntry) -> str:
     return f"{entry.timestamp:%H:%M:%S} [{entry.step or '-'}] {entry.message}"
 
@@ -203,11 +233,20 @@ def delete(
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List completely built templates."""
-    templates = list_templates(Settings())
+    settings = Settings()
+    templates = list_templates(settings)
+    building = code_interpreter.build_progress(settings)
     if as_json:
-        typer.echo(json.dumps(templates, indent=2))
+        typer.echo(
+            json.dumps(templates + ([{**building, "status": "building"}] if building else []), indent=2)
+        )
         return
-    if not templates:
+    if building:
+        typer.echo(
+            f"{code_interpreter.TEMPLATE_ID}\tbuilding (build {building['build_id']},"
+            f" step {building['step']}): {building['message']}"
+        )
+    elif not templates:
         typer.echo("no templates built (run: forkyard template build base)")
     for meta in templates:
         typer.echo(

@@ -40,6 +40,11 @@ from forkyard.types import ENVD_INIT_REVALIDATE
 logger = logging.getLogger("forkyard.envd")
 
 _OPEN_PATHS = frozenset({"/health"})
+#: Open to processes inside the sandbox (a loopback peer; the proxy comes over the veth): the
+#: code interpreter's server reads the sandbox's variables here, which every process envd starts
+#: holds anyway.
+_OPEN_TO_LOOPBACK = frozenset({"/envs"})
+_LOOPBACK = frozenset({"127.0.0.1", "::1"})
 
 
 class AccessTokenMiddleware:
@@ -52,6 +57,9 @@ class AccessTokenMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.state.access_token or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in _OPEN_TO_LOOPBACK and (scope.get("client") or ("",))[0] in _LOOPBACK:
             await self.app(scope, receive, send)
             return
         request = Request(scope)

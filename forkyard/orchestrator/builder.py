@@ -429,6 +429,12 @@ class TemplateBuilder:
         build.reason = Reason(message=message, step=step, log_entries=entries)
         build.status = "error"
 
+    def final_layer_key(self, spec: BuildSpec) -> str | None:
+        """The cache key of the spec's last step: a finished build of this very spec (on the
+        parent's current build) records it as its ``layer_key``."""
+        keys = step_keys(self._base_key(spec), spec.steps)
+        return keys[-1] if keys else None
+
     def _base_key(self, spec: BuildSpec) -> str | None:
         """The step cache key of the build's start: the parent template's build, or the image
         name (and registry kind). None: nothing to key on (the base step then fails)."""

@@ -40,6 +40,8 @@ TEST_DEFAULTS: Mapping[str, str] = {
     "FORKYARD_WARM_POOL_HIGH": "0",
     # Sandbox URLs over HTTPS bind a fixed port: only their own tests turn them on (on a free one).
     "FORKYARD_TLS_PORT": "0",
+    # code-interpreter-v1 is built once into the shared cache (make test), never by a test server.
+    "FORKYARD_BUILD_CODE_INTERPRETER": "false",
 }
 READY_TIMEOUT = 90.0
 

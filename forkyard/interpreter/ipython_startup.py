@@ -1,0 +1,64 @@
+"""Run by every Python kernel at start (``--IPKernelApp.exec_files``), in the user's namespace.
+
+Registers two extra representations, without importing pandas or matplotlib (types are matched by
+module and name, so an idle kernel stays small): a DataFrame's table (the SDKs' ``Result.data``)
+and the chart data ``e2b_charts`` extracts from a matplotlib figure (``Result.chart``; the inline
+backend displays each figure, which runs every formatter). Our formatters match by class name
+themselves: matplotlib_inline removes every formatter's Figure printer when it activates (at the
+first pyplot import, mid-cell), so a registered printer would miss that cell's figures.
+Everything is defined inside a function so the user's namespace gets no names from here.
+"""
+
+
+def __forkyard_register_formats() -> None:
+    import json
+
+    from IPython import get_ipython
+    from IPython.core.formatters import BaseFormatter
+    from traitlets import ObjectName, Unicode
+
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def dataframe_table(frame):  # type: ignore[no-untyped-def]
+        return json.loads(frame.to_json(orient="split", date_format="iso", default_handler=str))
+
+    def figure_chart(figure):  # type: ignore[no-untyped-def]
+        from e2b_charts import chart_figure_to_dict
+
+        return json.loads(json.dumps(chart_figure_to_dict(figure), default=str))
+
+    class ByNameFormatter(BaseFormatter):
+        """A JSON representation for classes named (module, name), their subclasses too."""
+
+        format_type = Unicode("")
+        print_method = ObjectName("_repr_forkyard_none_")
+
+        def __init__(self, printers, **kwargs):  # type: ignore[no-untyped-def]
+            super().__init__(**kwargs)
+            self.by_name = printers
+
+        def __call__(self, obj):  # type: ignore[no-untyped-def]
+            for cls in type(obj).__mro__:
+                printer = self.by_name.get((cls.__module__, cls.__name__))
+                if printer is not None:
+                    try:
+                        value = printer(obj)
+                    except Exception:  # e.g. a figure e2b_charts cannot read: still shown as PNG
+                        return None
+                    return value if isinstance(value, dict) else None
+            return None
+
+    formatters = shell.display_formatter.formatters
+    tables = {(module, "DataFrame"): dataframe_table for module in ("pandas", "pandas.core.frame")}
+    charts = {("matplotlib.figure", "Figure"): figure_chart}
+    for mime, printers in (
+        ("application/vnd.forkyard.data+json", tables),
+        ("application/vnd.forkyard.chart+json", charts),
+    ):
+        formatters[mime] = ByNameFormatter(printers, parent=shell.display_formatter, format_type=mime)
+
+
+__forkyard_register_formats()
+del __forkyard_register_formats

@@ -1,0 +1,77 @@
+"""Agent frameworks that run model-written code through E2B's code interpreter, unchanged, against
+``code-interpreter-v1`` (no LLM: the code an agent would send is sent as it would be).
+
+smolagents' ``E2BExecutor``: ``!pip install`` of a wheel (made here, uploaded into the sandbox),
+the package imported and printed in the next cell, variables sent, and ``final_answer`` ending the
+run as its executor detects it (an error of its own name through the protocol)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import logging
+import zipfile
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.server import ServerProcess, serve
+from tests.system.test_code_interpreter import code_interpreter_missing
+
+pytestmark = pytest.mark.requires_root("code-interpreter sandboxes are real gVisor sandboxes")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    reason = code_interpreter_missing()
+    if reason:
+        pytest.skip(reason)
+    with serve(prefix="forkyard-cifw-") as srv, pytest.MonkeyPatch.context() as env:
+        for key, value in srv.sdk_env.items():
+            env.setenv(key, value)
+        yield srv
+
+
+def tiny_wheel(name: str, version: str, module_source: str) -> tuple[str, bytes]:
+    """A pure-Python wheel (PEP 427) with one module, made in memory."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": module_source.encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: forkyard-tests\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+def test_smolagents_e2b_executor(server: ServerProcess) -> None:
+    from smolagents.default_tools import FinalAnswerTool
+    from smolagents.monitoring import AgentLogger, LogLevel
+    from smolagents.remote_executors import E2BExecutor
+
+    executor = E2BExecutor(additional_imports=[], logger=AgentLogger(level=LogLevel.ERROR), timeout=300)
+    try:
+        wheel_name, wheel = tiny_wheel("fywheel", "0.1", "def hello():\n    return 'hello from a wheel'\n")
+        executor.sandbox.files.write(f"/home/user/{wheel_name}", wheel)
+        installed = executor(f"!pip install --no-index /home/user/{wheel_name}")
+        assert "Successfully installed fywheel-0.1" in installed.logs
+        printed = executor("import fywheel\nprint(fywheel.hello())")
+        assert printed.logs.strip() == "hello from a wheel" and not printed.is_final_answer
+        executor.send_variables({"answer_base": 40})
+        executor.send_tools({"final_answer": FinalAnswerTool()})
+        final = executor("final_answer(answer_base + 2)")
+        assert final.is_final_answer and final.output == 42
+    finally:
+        executor.cleanup()
+    logging.getLogger(__name__).info("smolagents ran on %s", server.url)
