@@ -131,6 +131,10 @@ class Settings(BaseSettings):
     #: Where built templates live (default ``{data_dir}/templates``); lets a throw-away data
     #: directory (tests) use the shared, cached templates without copying them.
     templates_path: Path | None = None
+    #: The metadata key that picks a sandbox's OCI image when a create names no template (slime's
+    #: convention: ``SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY``; forkyard/api/image_sandboxes.py). The
+    #: image is built into a template on first use. Empty: metadata is only metadata.
+    sandbox_image_metadata_key: str = "forkyard.image"
     #: Largest request body the envd proxy forwards (uploads); bigger ones get 413.
     max_upload_bytes: int = 1 << 30
     #: Templates are snapshots: the first create of a template also boots one sandbox of it in

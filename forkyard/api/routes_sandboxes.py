@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_api_key
+from forkyard.api.image_sandboxes import requested_image, template_for_image
 from forkyard.api.routes_network import create_network
 from forkyard.api.schemas import (
     MAX_TIMEOUT_SECONDS,
@@ -170,6 +171,9 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
 async def _create(
     request: Request, orch: Orchestrator, body: NewSandbox, *, secure: bool, idempotency_key: str | None
 ) -> JSONResponse:
+    image = requested_image(body.template_id, body.metadata, orch.settings)
+    if image is not None:
+        body = body.model_copy(update={"template_id": await template_for_image(request, image)})
     req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
     rec = await orch.create(req, idempotency_key=idempotency_key)
     return JSONResponse(sandbox_body(rec, public_domain(request)), status_code=201)
