@@ -9,7 +9,9 @@
 * slime's sandbox convention (``slime/agent/sandbox.py``; slime is not on PyPI): the SDK's
   ``AsyncSandbox.create`` with no template and the image in metadata under the node's
   configured key.
-* Harbor: tests/system/test_harbor.py (it needs Python >= 3.12).
+* Harbor (PyPI ``harbor``; SkyRL runs it): ``harbor run`` with its E2B environment on a local task
+  (Dockerfile -> template, oracle agent, verifier, reward), from its own venv (.venv-harbor:
+  Python >= 3.12, tests/requirements-harbor.txt, installed by scripts/bootstrap.sh --test).
 
 Images come from a local registry seeded with the base root (tests/support/base_image_registry.py):
 Docker Hub is not reachable here. One server with a templates directory of its own.
@@ -18,7 +20,10 @@ Docker Hub is not reachable here. One server with a templates directory of its o
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,7 +36,7 @@ import pytest
 from e2b import AsyncSandbox, Sandbox, Template
 
 from forkyard_rl import advantages
-from tests.support import SHARED_TEMPLATES, base_template_missing
+from tests.support import REPO, SHARED_TEMPLATES, base_template_missing
 from tests.support.base_image_registry import BaseImageRegistry, base_image_registry
 from tests.support.server import ServerProcess, serve
 
@@ -121,8 +126,8 @@ def test_minisweagent_deterministic_model_submits(server: ServerProcess, registr
         agent = _agent(
             env,
             [
-                "pwd && whoami && echo $FROM_IMAGE_ENV",
-                "printf 'def add(a, b):\\n    return a - b\\n' > calc.py && python3 -c 'import calc'",
+                "pwd && whoami && cat /etc/debian_version",
+                "printf 'def add(a, b):\\n    return a - b\\n' > calc.py && python3 -B -c 'import calc'",
                 "sed -i 's/a - b/a + b/' calc.py && python3 -c 'import calc; print(calc.add(2, 3))'",
                 "ls /nonexistent",
                 "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat calc.py",
@@ -133,8 +138,8 @@ def test_minisweagent_deterministic_model_submits(server: ServerProcess, registr
         assert result["submission"] == "def add(a, b):\n    return a + b\n"
         observations = [m["content"] for m in agent.messages if m["role"] == "user"][1:]
         assert "<returncode>0</returncode>" in observations[0]
-        # As root in the configured cwd; the image's own environment came with it.
-        assert "/testbed\nroot\nyes\n" in observations[0], observations[0]
+        # As root in the configured cwd, in the image (Debian, as the registry's image is).
+        assert "<output>\n/testbed\nroot\n12." in observations[0], observations[0]
         assert "<output>\n5\n</output>" in observations[2], observations[2]
         assert "<returncode>2</returncode>" in observations[3] and "No such file" in observations[3]
         assert isinstance(agent.model, DeterministicModel)
@@ -186,8 +191,8 @@ def test_minisweagent_grpo_group_of_8_forks(server: ServerProcess, registry: Bas
                 [
                     f"sed -i 's/return x$/return x * {i}/' task.py && echo {i} > mine-{i}.txt",
                     "kill -0 $(cat sleeper.pid) && echo parent-process-alive",
-                    "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && python3 -c 'import task; print(task.f(7))'"
-                    " && ls",
+                    "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+                    " && python3 -B -c 'import task; print(task.f(7))' && ls",
                 ],
             )
             return dict(agent.run(f"rollout {i}")) | {"observations": agent.messages}
@@ -236,11 +241,9 @@ def test_slime_image_in_metadata_built_once_then_cached(
         first = await _slime_create(image)
         print(f"\nfirst create (image pulled and built): {time.monotonic() - started:.1f} s")
         try:
-            # slime's exec: root, its env; the image's own environment is there.
-            res = await first.commands.run(
-                "echo $FROM_IMAGE_ENV; id -u; cat /etc/debian_version", user="root"
-            )
-            assert res.stdout.split("\n")[:2] == ["yes", "0"]
+            # slime's exec: as root, in the image (Debian, as the registry's image is).
+            res = await first.commands.run("id -u && cat /etc/debian_version", user="root")
+            assert res.stdout.startswith("0\n12.")
             await first.files.write("/root/mark.txt", "first", user="root")
             info = await first.get_info()
             assert info.metadata == {IMAGE_KEY: image}
@@ -311,3 +314,91 @@ def test_slime_bad_image_and_ambiguous_requests_get_e2b_errors(
     finally:
         plain.kill()
     assert {s["sandboxID"] for s in _sandboxes(server)} == before
+
+
+# -- Harbor ------------------------------------------------------------------------------------
+
+HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
+WAITS_FOR_NAME_BUILD_ID = pytest.mark.xfail(
+    strict=True,
+    reason="waits for Sandbox.create('name:<buildID>') (issue 24, branch `build`): Harbor creates its "
+    "sandbox from the build id it just built, refused today with \"has no build tagged '<buildID>'\"",
+)
+TASK_TOML = """schema_version = "1.4"
+
+[metadata]
+
+[verifier]
+timeout_sec = 120.0
+
+[agent]
+timeout_sec = 120.0
+
+[environment]
+build_timeout_sec = 600.0
+"""
+
+
+def _harbor_task(root: Path, image: str) -> Path:
+    """A local Harbor task: a Dockerfile from the registry's image, an oracle solution, a verifier
+    that writes the reward."""
+    task = root / "add-numbers"
+    for sub in ("environment", "solution", "tests"):
+        (task / sub).mkdir(parents=True)
+    (task / "task.toml").write_text(TASK_TOML)
+    (task / "instruction.md").write_text(
+        "Write the sum of the numbers in /app/input.txt to /app/answer.txt.\n"
+    )
+    (task / "environment" / "Dockerfile").write_text(
+        f"FROM {image}\nRUN mkdir -p /app && echo '2 3' > /app/input.txt\nWORKDIR /app\n"
+    )
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\nset -e\npython3 -c \"print(sum(map(int, open('/app/input.txt').read().split())))\""
+        " > /app/answer.txt\n"
+    )
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif [ "$(cat /app/answer.txt 2>/dev/null)" = 5 ]; then echo 1; else echo 0; fi'
+        " > /logs/verifier/reward.txt\n"
+    )
+    return task
+
+
+def _harbor_run(server: ServerProcess, task: Path, jobs: Path, agent: str) -> dict[str, Any]:
+    """``harbor run`` (its own CLI, its own Python) with its E2B environment; the trial's result."""
+    env = {**os.environ, **server.sdk_env, "HOME": str(jobs)}
+    cmd = [str(HARBOR), "run", "-p", str(task), "-e", "e2b", "-a", agent, "-o", str(jobs)]
+    cmd += ["--job-name", agent, "-n", "1", "-y", "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=jobs)
+    results = [
+        json.loads(p.read_text())
+        for p in (jobs / agent).glob("*/result.json")
+        if "verifier_result" in json.loads(p.read_text())
+    ]
+    assert results, (
+        f"harbor run ({proc.returncode}) left no trial result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return results[0]
+
+
+@WAITS_FOR_NAME_BUILD_ID
+def test_harbor_e2b_environment_oracle_and_verifier(
+    server: ServerProcess, registry: BaseImageRegistry
+) -> None:
+    if not HARBOR.exists():
+        pytest.fail(f"{HARBOR} is missing (scripts/bootstrap.sh --test installs Harbor, Python >= 3.12)")
+    root = Path(tempfile.mkdtemp(prefix="forkyard-harbor-"))
+    try:
+        task = _harbor_task(root, registry.image("latest"))
+        started = time.monotonic()
+        oracle = _harbor_run(server, task, root, "oracle")
+        print(f"\nharbor run, oracle (template build included): {time.monotonic() - started:.1f} s")
+        assert oracle["exception_info"] is None, oracle["exception_info"]
+        assert oracle["verifier_result"]["rewards"] == {"reward": 1}
+        # The do-nothing agent on the same task: the verifier really judges (reward 0).
+        started = time.monotonic()
+        nop = _harbor_run(server, task, root, "nop")
+        print(f"harbor run, nop (template reused): {time.monotonic() - started:.1f} s")
+        assert nop["verifier_result"]["rewards"] == {"reward": 0}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert not _sandboxes(server)
