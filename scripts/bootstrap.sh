@@ -73,6 +73,10 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || clients/rl/pyproject.toml -nt 
   .venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
   touch "$stamp"
 fi
+if [[ "${1:-}" == "--test" && ! -d tests/js/node_modules/e2b ]]; then
+  echo "bootstrap: installing the e2b JS SDK for tests"
+  (cd tests/js && npm install --no-audit --no-fund --silent)
+fi
 # Harbor needs Python >= 3.12 (Debian 12 has 3.11): its own venv, from a pyenv build's python.
 harbor_stamp=.venv-harbor/.forkyard-installed
 if [[ "${1:-}" == "--test" && ( ! -f $harbor_stamp || tests/requirements-harbor.txt -nt $harbor_stamp ) ]]; then
@@ -87,8 +91,4 @@ if [[ "${1:-}" == "--test" && ( ! -f $harbor_stamp || tests/requirements-harbor.
   [[ -x .venv-harbor/bin/python ]] || "$py312" -m venv .venv-harbor
   .venv-harbor/bin/pip install -q --disable-pip-version-check -r tests/requirements-harbor.txt
   touch "$harbor_stamp"
-fi
-if [[ "${1:-}" == "--test" && ! -d tests/js/node_modules/e2b ]]; then
-  echo "bootstrap: installing the e2b JS SDK for tests"
-  (cd tests/js && npm install --no-audit --no-fund --silent)
 fi
