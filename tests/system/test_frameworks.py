@@ -322,7 +322,7 @@ HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
 WAITS_FOR_NAME_BUILD_ID = pytest.mark.xfail(
     strict=True,
     reason="waits for Sandbox.create('name:<buildID>') (issue 24, branch `build`): Harbor creates its "
-    "sandbox from the build id it just built, refused today with \"has no build tagged '<buildID>'\"",
+    "sandbox from the build id it just built, refused today (404: template 'name:<buildID>' not found)",
 )
 TASK_TOML = """schema_version = "1.4"
 
