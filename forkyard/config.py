@@ -202,6 +202,10 @@ class Settings(BaseSettings):
     #: While the node has less memory available than this, the longest-frozen sandboxes are
     #: moved to disk, one at a time.
     pause_min_available_mib: int = 1024
+    #: The metadata key that picks a sandbox's OCI image when a create names no template (slime's
+    #: convention: ``SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY``; forkyard/api/image_sandboxes.py). The
+    #: image is built into a template on first use. Empty: metadata is only metadata.
+    sandbox_image_metadata_key: str = "forkyard.image"
     #: The registry database (SQLAlchemy async URL). Empty: SQLite at ``db_path`` (single node);
     #: a cluster shares one PostgreSQL: ``postgresql+asyncpg://user@host:port/db``.
     database_url: str = ""

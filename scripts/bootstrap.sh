@@ -80,3 +80,18 @@ if [[ "${1:-}" == "--test" && ! ( -d tests/js/node_modules/e2b && -d tests/js/no
   echo "bootstrap: installing the e2b JS SDK for tests"
   (cd tests/js && npm install --no-audit --no-fund --silent)
 fi
+# Harbor needs Python >= 3.12 (Debian 12 has 3.11): its own venv, from a pyenv build's python.
+harbor_stamp=.venv-harbor/.forkyard-installed
+if [[ "${1:-}" == "--test" && ( ! -f $harbor_stamp || tests/requirements-harbor.txt -nt $harbor_stamp ) ]]; then
+  py312=${FORKYARD_HARBOR_PYTHON:-}
+  if [[ -z $py312 ]]; then
+    for candidate in "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.1[2-9]*/bin/python3; do
+      [[ -x $candidate ]] && py312=$candidate && break
+    done
+  fi
+  [[ -n $py312 ]] || die "Harbor's tests need Python >= 3.12: set FORKYARD_HARBOR_PYTHON"
+  echo "bootstrap: installing Harbor into .venv-harbor ($py312)"
+  [[ -x .venv-harbor/bin/python ]] || "$py312" -m venv .venv-harbor
+  .venv-harbor/bin/pip install -q --disable-pip-version-check -r tests/requirements-harbor.txt
+  touch "$harbor_stamp"
+fi

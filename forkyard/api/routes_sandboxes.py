@@ -19,6 +19,7 @@ from forkyard.api.e2b_wire import (
     parse_metadata_query,
     parse_states,
 )
+from forkyard.api.image_sandboxes import requested_image, template_for_image
 from forkyard.api.routes_network import create_network
 from forkyard.api.schemas import (
     MAX_TIMEOUT_SECONDS,
@@ -154,6 +155,9 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
 async def _create(
     request: Request, orch: Orchestrator, body: NewSandbox, *, secure: bool, idempotency_key: str | None
 ) -> JSONResponse:
+    image = requested_image(body.template_id, body.metadata, orch.settings)
+    if image is not None:
+        body = body.model_copy(update={"template_id": await template_for_image(request, image)})
     req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
     try:
         rec = await orch.create(req, idempotency_key=idempotency_key)

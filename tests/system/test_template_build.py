@@ -29,7 +29,8 @@ from e2b.exceptions import BuildException
 from e2b.template.logger import LogEntry
 from e2b.template.types import BuildInfo, TemplateBuildStatus
 
-from tests.support import SHARED_TEMPLATES, TESTS, base_template_missing, free_port, unique_id
+from tests.support import SHARED_TEMPLATES, TESTS, base_template_missing, unique_id
+from tests.support.base_image_registry import base_image_registry
 from tests.support.server import ServerProcess, serve
 
 pytestmark = pytest.mark.requires_root("template builds run gVisor build sandboxes")
@@ -238,61 +239,13 @@ def test_bad_input_gets_e2b_errors(build_server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def registry_image() -> Iterator[str]:
     """``docker-registry`` on loopback holding ``forkyard/base:latest``, an image made from the
-    base rootfs (umoci) and pushed there (skopeo)."""
-    for tool in ("docker-registry", "umoci", "skopeo"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is not installed (scripts/bootstrap.sh --test installs it)")
+    base rootfs (tests/support/base_image_registry.py)."""
     reason = base_template_missing()
     if reason:
         pytest.skip(reason)
-    work = Path(tempfile.mkdtemp(prefix="forkyard-registry-"))
-    port = free_port()
-    config = work / "config.yml"
-    config.write_text(
-        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
-    )
-    log = open(work / "registry.log", "wb")
-    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/v2/", proc)
-        started = time.monotonic()
-        layout, bundle = work / "layout", work / "bundle"
-        for cmd in (
-            ["umoci", "init", "--layout", str(layout)],
-            ["umoci", "new", "--image", f"{layout}:base"],
-            ["umoci", "unpack", "--image", f"{layout}:base", str(bundle)],
-            ["cp", "-a", f"{SHARED_TEMPLATES / 'base' / 'rootfs'}/.", str(bundle / "rootfs")],
-            # Documentation and translations are a quarter of the root and nothing here reads them.
-            ["rm", "-rf", *(str(bundle / "rootfs/usr/share" / d) for d in ("doc", "man", "locale"))],
-            ["umoci", "repack", "--image", f"{layout}:base", str(bundle)],
-            ["umoci", "config", "--image", f"{layout}:base", "--config.env", "FROM_IMAGE_ENV=yes"],
-            [
-                "skopeo", "copy", "--quiet", "--dest-tls-verify=false",
-                f"oci:{layout}:base", f"docker://127.0.0.1:{port}/forkyard/base:latest",
-            ],
-        ):  # fmt: skip
-            subprocess.run(cmd, check=True, capture_output=True)
-        shutil.rmtree(bundle)
-        print(f"\nseeding the registry: {time.monotonic() - started:.1f} s")
-        yield f"127.0.0.1:{port}/forkyard/base:latest"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "docker-registry exited"
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    pytest.fail(f"docker-registry did not answer {url}")
+    with base_image_registry() as registry:
+        print(f"\nseeding the registry: {registry.seconds:.1f} s")
+        yield registry.image()
 
 
 def test_dockerfile_from_an_image_in_a_local_registry(
