@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 FORKYARD := .venv/bin/forkyard
 
-.PHONY: run test test-unit bench bootstrap template lint proto clean
+.PHONY: run test test-unit test-cluster cluster-up cluster-down bench bootstrap template lint proto clean
 
 # One lint recipe for `make lint` and `make test`.
 define LINT
@@ -38,6 +38,27 @@ $(PY):
 	python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
 	touch .venv/.forkyard-installed
+
+# The Compose cluster on this machine's Docker (README "Cluster"): Debian's docker.io and
+# docker-compose, a Debian base image made here, the images built on it, the cluster up (a node's
+# first start builds its base template: minutes once). `make cluster-down` takes it all away
+# again (containers, networks, volumes, and the engine if scripts/docker.sh started it).
+COMPOSE := cd deploy/compose && /usr/bin/docker-compose -p forkyard -f docker-compose.yml -f docker-compose.local.yml
+
+cluster-up:
+	@scripts/bootstrap.sh --docker
+	scripts/docker.sh images
+	$(COMPOSE) up -d --no-build
+	@echo "gateway: http://127.0.0.1:$${FORKYARD_GATEWAY_PORT:-3000} (E2B_API_KEY: deploy/compose/.env, else the dev default)"
+
+cluster-down:
+	-$(COMPOSE) down -v --remove-orphans
+	scripts/docker.sh daemon-down
+
+# The image and Compose cluster tests alone (`make test` runs them with the rest).
+test-cluster: template
+	@scripts/bootstrap.sh --test
+	$(PY) -m pytest -rs -s tests/system/test_compose_cluster.py $(PYTEST_ARGS)
 
 bench: template
 	$(PY) -m bench $(BENCH_ARGS)

@@ -95,13 +95,16 @@ base() {
 extra_ca() { cat /usr/local/share/ca-certificates/*.crt 2>/dev/null || true; }
 
 # The forkyard image and the S3 server image of the Compose test override, on the local base.
+LABEL=dev.forkyard.built-by=scripts/docker.sh
 images() {
   local base; base=$(base)
-  $DOCKER build -q --build-arg BASE_IMAGE="$base" --build-arg EXTRA_CA_PEM="$(extra_ca)" \
+  $DOCKER build -q --label "$LABEL" --build-arg BASE_IMAGE="$base" --build-arg EXTRA_CA_PEM="$(extra_ca)" \
     -t forkyard:latest . >&2
-  $DOCKER build -q --build-arg BASE_IMAGE="$base" --build-arg EXTRA_CA_PEM="$(extra_ca)" \
+  $DOCKER build -q --label "$LABEL" --build-arg BASE_IMAGE="$base" --build-arg EXTRA_CA_PEM="$(extra_ca)" \
     -t forkyard-s3:latest deploy/compose/s3 >&2
-  $DOCKER build -q --build-arg BASE_IMAGE="$base" -t forkyard-postgres:15 deploy/compose/postgres >&2
+  $DOCKER build -q --label "$LABEL" --build-arg BASE_IMAGE="$base" -t forkyard-postgres:15 deploy/compose/postgres >&2
+  # The images these replaced (a rebuild after a code change leaves the old one untagged).
+  $DOCKER image prune -f --filter "label=$LABEL" >/dev/null
 }
 
 case "${1:-}" in

@@ -138,7 +138,9 @@ class ComposeCluster:
     def sdk(self) -> dict[str, str]:
         return {"api_key": API_KEY, "api_url": self.url, "sandbox_url": self.url}
 
-    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def compose(
+        self, *args: str, timeout: float = 600, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         argv = [COMPOSE, "-p", self.project, *(a for f in self.files for a in ("-f", str(f))), *args]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env)
         if check and done.returncode != 0:
@@ -171,7 +173,12 @@ class ComposeCluster:
         if not waiting:
             return
         argv = [DOCKER, "events", "--since", str(int(since) - 1), "--format", "{{json .}}"]
-        argv += ["--filter", "event=health_status", "--filter", f"label=com.docker.compose.project={self.project}"]
+        argv += [
+            "--filter",
+            "event=health_status",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+        ]
         with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as events:
             assert events.stdout is not None
             deadline = time.monotonic() + timeout
@@ -232,6 +239,19 @@ def compose_cluster() -> Iterator[ComposeCluster]:
         cluster.compose("down", "-v", "--remove-orphans", "--timeout", "60", timeout=600, check=False)
         override.unlink()
         workdir.rmdir()
+
+
+def daemon_down() -> list[str]:
+    """Stop the dockerd ``scripts/docker.sh`` started (none other) and remove the iptables chains
+    it leaves; returns Docker chains still on the host after that (none when it stopped ours)."""
+    subprocess.run([str(REPO / "scripts/docker.sh"), "daemon-down"], check=True, timeout=180)
+    if (
+        subprocess.run([DOCKER, "version", "--format", "{{.Server.Version}}"], capture_output=True).returncode
+        == 0
+    ):
+        return []  # someone else's engine runs: its chains are its own
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout
+    return [line for line in rules.splitlines() if "DOCKER" in line or "docker0" in line]
 
 
 def host_footprint(project: str) -> list[str]:

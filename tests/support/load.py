@@ -52,10 +52,14 @@ class Report:
     errors: dict[str, int]
     #: Seconds from the end of the fault to the first create after it that went through.
     recovery_s: float | None
+    #: Filled in by the test after the load: what the fault lost, what it leaked.
+    lost: list[str] = field(default_factory=list)
+    leaks: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         rec = "never" if self.recovery_s is None else f"{self.recovery_s:.1f} s"
-        return f"{self.calls} calls, {self.failed} failed, {self.hung} hung, recovery {rec}, errors {self.errors}"
+        counts = f"{self.calls} calls, {self.failed} failed, {self.hung} hung"
+        return f"{counts}, recovery {rec}, errors {self.errors}"
 
 
 @dataclass
@@ -133,7 +137,7 @@ class Load:
                 if snap is not None:
                     with self._lock:
                         self.snapshots[snap.snapshot_id] = token
-            if self._call("kill", lambda: sbx.kill(request_timeout=REQUEST_TIMEOUT_S) or True) is None:
+            if self._call("kill", _kill, sbx) is None:
                 with self._lock:
                     self.unkilled.append(sbx.sandbox_id)
 
@@ -153,3 +157,8 @@ class Load:
             errors=errors,
             recovery_s=(after[0] - fault_ended) if after else None,
         )
+
+
+def _kill(sbx: Sandbox) -> bool:
+    sbx.kill(request_timeout=REQUEST_TIMEOUT_S)
+    return True

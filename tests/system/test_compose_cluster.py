@@ -11,9 +11,11 @@ fault tests print one line each (``FAULT <name>: ...``): the figures of README's
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -25,16 +27,17 @@ from tests.support.compose import (
     ComposeCluster,
     build_images,
     compose_cluster,
+    daemon_down,
     docker,
     docker_missing,
     host_footprint,
 )
+from tests.support.load import TOKEN_FILE, Load, Report
 
 pytestmark = pytest.mark.requires_root("runs Docker and gVisor sandboxes")
 
 #: Sandboxes the ordered tests share: name -> sandbox id.
 SHARED: dict[str, str] = {}
-PROJECTS: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +47,12 @@ def cluster() -> Iterator[ComposeCluster]:
         pytest.skip(reason)
     seconds = build_images()
     print(f"\nimages built (or found cached) in {seconds:.0f} s")
-    with compose_cluster() as running:
-        PROJECTS.append(running.project)
-        yield running
+    try:
+        with compose_cluster() as running:
+            yield running
+        assert host_footprint(running.project) == []
+    finally:
+        assert daemon_down() == [], "Docker's iptables chains stayed after its engine stopped"
 
 
 def test_the_containers_run_from_the_image_with_the_documented_privileges(cluster: ComposeCluster) -> None:
@@ -139,6 +145,161 @@ def _wait_durable(cluster: ComposeCluster, snapshot_id: str, timeout: float = 18
             return
         assert time.monotonic() < deadline, f"snapshot {snapshot_id} never became durable: {found}"
         time.sleep(0.5)
+
+
+# -- faults under load ---------------------------------------------------------------------------
+
+#: The figures of each fault (README's fault table), printed at the end of the module.
+FAULTS: dict[str, Report] = {}
+S3_DOWN_S = 60.0
+DISK_FULL_S = 20.0
+
+
+def test_fault_witnesses_are_made(cluster: ComposeCluster) -> None:
+    """A sandbox on each node with a file, checked after every fault (none of them may lose it)."""
+    for _ in range(4):
+        sbx = Sandbox.create(timeout=3600, **cluster.sdk)
+        node = cluster.owner(sbx.sandbox_id)
+        if f"witness-{node}" in SHARED:
+            sbx.kill()
+            continue
+        sbx.files.write("/home/user/witness.txt", sbx.sandbox_id)
+        SHARED[f"witness-{node}"] = sbx.sandbox_id
+    assert {"witness-node-a", "witness-node-b"} <= set(SHARED), SHARED
+
+
+def test_fault_postgres_restarted(cluster: ComposeCluster) -> None:
+    def inject() -> None:
+        cluster.compose("restart", "-t", "10", "postgres", timeout=120)
+
+    _under_load(cluster, "PostgreSQL restarted", inject)
+
+
+def test_fault_s3_unreachable_for_a_minute(cluster: ComposeCluster) -> None:
+    network = f"{cluster.project}_default"
+
+    def inject() -> None:
+        docker("network", "disconnect", network, cluster.container("s3"))
+        threading.Event().wait(S3_DOWN_S)  # the fault's own length, not a wait for something
+        docker("network", "connect", "--alias", "s3", network, cluster.container("s3"))
+
+    _under_load(cluster, "S3 unreachable 60 s", inject)
+
+
+def test_fault_node_killed_and_restarted(cluster: ComposeCluster) -> None:
+    def inject() -> None:
+        docker("kill", cluster.container("node-a"))
+        since = time.time()
+        docker("start", cluster.container("node-a"))
+        cluster.wait_healthy(("node-a",), since)
+
+    _under_load(cluster, "node killed (SIGKILL) and restarted", inject, lost=("node-a",))
+
+
+def test_fault_gateway_restarted(cluster: ComposeCluster) -> None:
+    def inject() -> None:
+        since = time.time()
+        cluster.compose("restart", "-t", "10", "gateway", timeout=120)
+        cluster.wait_healthy(("gateway",), since)
+
+    _under_load(cluster, "gateway restarted", inject)
+
+
+def test_fault_node_disk_full(cluster: ComposeCluster) -> None:
+    fill = "/var/lib/forkyard/disk-full-test"
+
+    def inject() -> None:
+        docker(
+            "exec",
+            cluster.container("node-b"),
+            "sh",
+            "-c",
+            f"fallocate -l $(( $(df -B1 --output=avail /var/lib/forkyard | tail -1) - 4096 )) {fill}",
+        )
+        threading.Event().wait(DISK_FULL_S)
+        docker("exec", cluster.container("node-b"), "rm", "-f", fill)
+
+    _under_load(cluster, "node disk full 20 s", inject)
+
+
+def _under_load(
+    cluster: ComposeCluster, name: str, inject: Callable[[], None], lost: tuple[str, ...] = ()
+) -> None:
+    with Load(cluster.sdk, clients=3) as load:
+        load.wait_calls(ok_creates=3)
+        started = time.monotonic()
+        inject()
+        ended = time.monotonic()
+        load.wait_calls(ok_creates=3, timeout=600)
+    report = load.report(started, ended)
+    FAULTS[name] = report
+    print(f"\nFAULT {name}: fault {ended - started:.1f} s, {report.line()}")
+    for sandbox_id in load.unkilled:
+        with contextlib.suppress(Exception):
+            Sandbox.kill(sandbox_id, **cluster.sdk)
+    assert report.hung == 0, report
+    report.lost = _lost_data(cluster, load, lost)
+    report.leaks = _leaks(cluster)
+    assert report.lost == [], report.lost
+    assert report.leaks == [], report.leaks
+
+
+def _lost_data(cluster: ComposeCluster, load: Load, lost_nodes: tuple[str, ...]) -> list[str]:
+    """Witnesses: alive with their file, or (on a killed node) reported gone, never both; every
+    acknowledged snapshot becomes durable and restores with its token."""
+    problems: list[str] = []
+    for key in [k for k in SHARED if k.startswith("witness-")]:
+        sandbox_id = SHARED[key]
+        try:
+            read = Sandbox.connect(sandbox_id, **cluster.sdk).files.read("/home/user/witness.txt")
+        except NotFoundException:
+            if key.removeprefix("witness-") not in lost_nodes:
+                problems.append(f"{key} {sandbox_id} is gone")
+            SHARED.pop(key)
+            continue
+        if read != sandbox_id:
+            problems.append(f"{key} {sandbox_id} reads {read!r}")
+    for snapshot_id, token in load.snapshots.items():
+        try:
+            _wait_durable(cluster, snapshot_id)
+            child = Sandbox.create(snapshot_id, timeout=120, **cluster.sdk)
+            if child.files.read(TOKEN_FILE) != token:
+                problems.append(f"snapshot {snapshot_id} restored without its token")
+            child.kill()
+            Sandbox.delete_snapshot(snapshot_id, **cluster.sdk)
+        except Exception as exc:
+            problems.append(f"snapshot {snapshot_id}: {type(exc).__name__}: {exc}"[:300])
+    return problems
+
+
+def _leaks(cluster: ComposeCluster, timeout: float = 60) -> list[str]:
+    """Each node runs exactly the sandboxes the registry says it runs (kills are asynchronous:
+    wait a little for them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        problems = []
+        for node in ("node-a", "node-b"):
+            rows = cluster.sql(
+                "SELECT sandbox_id FROM sandboxes"
+                f" WHERE node_id = '{node}' AND state IN ('running', 'creating')"
+            )
+            registry = {r[0] for r in rows}
+            running = cluster.sandboxes_in(node)
+            problems += [f"{node} runs {s}, the registry does not say so" for s in sorted(running - registry)]
+            problems += [
+                f"the registry says {node} runs {s}, it does not" for s in sorted(registry - running)
+            ]
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(1)
+
+
+def test_zy_fault_table(cluster: ComposeCluster) -> None:
+    """The figures, one line per fault (README's table is made of these)."""
+    print("\n| fault | calls | failed | hung | data lost | leaks | recovery s |")
+    for name, r in FAULTS.items():
+        rec = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}"
+        print(f"| {name} | {r.calls} | {r.failed} | {r.hung} | {len(r.lost)} | {len(r.leaks)} | {rec} |")
 
 
 def test_zz_down_leaves_nothing_on_the_host(cluster: ComposeCluster) -> None:
