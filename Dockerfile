@@ -1,13 +1,19 @@
 # forkyard: one image for every role (`forkyard serve`, `forkyard node serve`, `forkyard gateway`).
 #
-#   docker build -t forkyard:latest .
-#   docker run --privileged -p 3000:3000 -v forkyard-data:/var/lib/forkyard forkyard:latest
+#   scripts/docker.sh images        # or: docker build -t forkyard:latest .  (where Docker Hub answers)
+#   docker run --cap-add SYS_ADMIN --cap-add NET_ADMIN --cap-add SYS_PTRACE \
+#     --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
+#     --device /dev/loop-control --device-cgroup-rule 'b 7:* rmw' \
+#     -p 3000:3000 -v forkyard-data:/var/lib/forkyard --entrypoint forkyard-node-init \
+#     forkyard:latest forkyard serve --host 0.0.0.0
 #
-# Roles that run sandboxes (`serve`, `node serve`) need the container privileged (README "Cluster",
-# "What the container needs"): runsc makes mounts, namespaces and per-sandbox cgroups, the
-# network code makes veth pairs and iptables NAT, QEMU wants /dev/kvm and /dev/net/tun. The
-# gateway runs unprivileged. The `base` template is built into the data volume on first use
-# (`forkyard template build base`, debootstrap from a Debian mirror: a minute once).
+# Roles that run gVisor sandboxes (`serve`, `node serve`) need those privileges, not --privileged
+# (README "Cluster", "What the container needs"; measured in tests/system/test_compose_cluster.py):
+# runsc makes mounts and namespaces and per-sandbox cgroups, a sandbox's disk is a loop device,
+# the network code makes veth pairs and iptables NAT. forkyard-node-init (deploy/docker/node-init.sh)
+# makes the loop device nodes and the cgroup hierarchies writable first. QEMU sandboxes also want
+# /dev/kvm and /dev/net/tun. The gateway needs none of it. The `base` template is built into the
+# data volume on first use (`forkyard template build base`, debootstrap from a Debian mirror).
 # The base: Debian 12. Where no registry but Debian's is reachable, `scripts/docker.sh base` makes one
 # from Debian itself (debootstrap + `docker import`) and the build takes it with
 # --build-arg BASE_IMAGE=<its tag> (`make image`, the tests).

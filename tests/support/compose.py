@@ -41,6 +41,8 @@ LOST_AFTER_S = 6
 #: Node a's room (a fork of its sandbox spills onto b); node b's data dir (a tmpfs volume).
 A_MAX_SANDBOXES = 2
 B_DISK = "2g"
+#: runsc's container id is the sandbox id behind this prefix (forkyard.runtime.network's NETNS_PREFIX).
+RUNSC_ID_PREFIX = "ae-"
 SERVICES = ("gateway", "node-a", "node-b", "postgres", "s3")
 
 
@@ -204,7 +206,7 @@ class ComposeCluster:
         for line in done.stdout.splitlines():
             words = line.split()
             if words and words[0].endswith("runsc-sandbox") and "boot" in words:
-                ids.add(words[-1])
+                ids.add(words[-1].removeprefix(RUNSC_ID_PREFIX))
         return ids
 
 

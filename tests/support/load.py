@@ -50,6 +50,8 @@ class Report:
     failed: int
     hung: int
     errors: dict[str, int]
+    #: One message per kind of error (what the client saw).
+    samples: dict[str, str]
     #: Seconds from the end of the fault to the first create after it that went through.
     recovery_s: float | None
     #: Filled in by the test after the load: what the fault lost, what it leaked.
@@ -87,12 +89,13 @@ class Load:
             thread.join(timeout=HANG_S * 4)
         assert not any(t.is_alive() for t in self._threads), "a load client hangs"
 
-    def wait_calls(self, ok_creates: int, timeout: float = 300) -> None:
-        """Until ``ok_creates`` more creates have gone through (the load is flowing)."""
-        target = self._ok_creates() + ok_creates
+    def wait_calls(self, ok_creates: int, after: float = 0.0, timeout: float = 300) -> None:
+        """Until ``ok_creates`` more creates started at or after ``after`` (monotonic) have gone
+        through: the load is flowing (again)."""
+        target = self._ok_creates(after) + ok_creates
         deadline = time.monotonic() + timeout
         with self._progress:
-            while self._ok_creates() < target:
+            while self._ok_creates(after) < target:
                 left = deadline - time.monotonic()
                 assert left > 0, f"the load made no progress: {self.report(0, 0).line()}"
                 self._progress.wait(left)
@@ -103,8 +106,8 @@ class Load:
             self._cond = threading.Condition(self._lock)
         return self._cond
 
-    def _ok_creates(self) -> int:
-        return sum(1 for c in self.calls if c.op == "create" and c.ok)
+    def _ok_creates(self, after: float) -> int:
+        return sum(1 for c in self.calls if c.op == "create" and c.ok and c.started >= after)
 
     def _call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.monotonic()
@@ -146,15 +149,18 @@ class Load:
             during = [c for c in self.calls if c.ended >= fault_started]
         failed = [c for c in during if not c.ok]
         errors: dict[str, int] = {}
+        samples: dict[str, str] = {}
         for call in failed:
             key = f"{call.op}: {call.error.split(':')[0]}"
             errors[key] = errors.get(key, 0) + 1
+            samples.setdefault(key, call.error)
         after = sorted(c.ended for c in during if c.op == "create" and c.ok and c.started >= fault_ended)
         return Report(
             calls=len(during),
             failed=len(failed),
             hung=sum(1 for c in during if c.seconds > HANG_S),
             errors=errors,
+            samples=samples,
             recovery_s=(after[0] - fault_ended) if after else None,
         )
 
