@@ -25,6 +25,7 @@ from e2b import Sandbox
 
 REQUEST_TIMEOUT_S = 60.0
 HANG_S = 90.0
+BACKOFF_S = 0.5
 TOKEN_FILE = "/home/user/token.txt"
 
 
@@ -131,6 +132,9 @@ class Load:
             rounds += 1
             sbx = self._call("create", Sandbox.create, timeout=300, **opts)
             if sbx is None:
+                # A client backs off after a failure, as the SDK's users do: without it a refused
+                # connection (the gateway restarting) is thousands of failed calls a second.
+                self._stop.wait(BACKOFF_S)
                 continue
             token = secrets.token_hex(8)
             self._call("write", sbx.files.write, TOKEN_FILE, token, request_timeout=REQUEST_TIMEOUT_S)
