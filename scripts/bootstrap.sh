@@ -50,6 +50,9 @@ need=()
 want=("${APT_PACKAGES[@]}")
 # The template-build tests serve an OCI registry of their own on loopback.
 [[ "${1:-}" != "--test" ]] || want+=(docker-registry)
+# The image and Compose cluster tests (tests/system/test_compose_cluster.py): Debian's engine and
+# docker-compose 1.29 (`make cluster-up` needs them too: scripts/docker.sh checks).
+[[ "${1:-}" != "--test" && "${1:-}" != "--docker" ]] || want+=(docker.io docker-compose)
 # The console tests drive Debian's headless chromium through its chromedriver (nothing downloaded).
 [[ "${1:-}" != "--test" ]] || want+=(chromium chromium-driver fonts-liberation)
 # nodejs/npm may already come from elsewhere on the machine (not dpkg): never fight an existing node.

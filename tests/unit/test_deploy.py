@@ -394,8 +394,11 @@ def dockerfile_problems(root: Path) -> Problems:
     instructions = dockerfile_instructions(root)
     values = {i["instruction"]: i["value"] for i in instructions}
     problems: Problems = []
-    if not values.get("FROM", "").startswith("debian:12"):
-        problems.append(f"Dockerfile: base {values.get('FROM')} is not Debian 12")
+    base = values.get("FROM", "")
+    if base == "${BASE_IMAGE}":  # the default of the ARG before FROM
+        base = dict(_arg_pairs(instructions)).get("BASE_IMAGE", base)
+    if not base.startswith("debian:12"):
+        problems.append(f"Dockerfile: base {base} is not Debian 12")
     if json.loads(values.get("ENTRYPOINT", "null")) != ["forkyard"]:
         problems.append(f"Dockerfile: ENTRYPOINT {values.get('ENTRYPOINT')} is not forkyard")
     if json.loads(values.get("CMD", "null")) != ["serve", "--host", "0.0.0.0"]:
@@ -413,6 +416,11 @@ def dockerfile_problems(root: Path) -> Problems:
             if src in ignored
         ]
     return problems + settings_problems(_dockerfile_env(instructions), "Dockerfile ENV")
+
+
+def _arg_pairs(instructions: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    args = (i["value"] for i in instructions if i["instruction"] == "ARG")
+    return [(name, default) for name, _, default in (a.partition("=") for a in args)]
 
 
 def _dockerfile_env(instructions: list[dict[str, Any]]) -> dict[str, str]:
@@ -640,9 +648,9 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], Callable[[Path, Path], Proble
         "does not apply",
     ),
     "compose schema": (
-        _edit(COMPOSE_FILE, "privileged: true", "privileged: [true]"),
+        _edit(COMPOSE_FILE, "stop_grace_period: 60s", "stop_grace_period: [60s]"),
         lambda root, _: compose_problems(root),
-        "privileged",
+        "stop_grace_period",
     ),
     "compose setting renamed": (
         _edit(COMPOSE_FILE, "FORKYARD_NODE_SECRETS:", "FORKYARD_NODE_SECRET:"),

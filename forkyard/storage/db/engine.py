@@ -21,6 +21,8 @@ from forkyard.config import Settings
 
 #: How long a SQLite statement waits for another connection's write lock (ms).
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+#: PostgreSQL: connecting, a statement, and waiting for a pooled connection each give up after this (s).
+PG_TIMEOUT_S = 60.0
 
 
 def open_engine(settings: Settings) -> AsyncEngine:
@@ -32,7 +34,19 @@ def engine_for(url: str | URL) -> AsyncEngine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
-    return create_async_engine(parsed, pool_size=5, max_overflow=10, pool_recycle=1800)
+    # A PostgreSQL restart closes every pooled connection: pre-ping replaces a dead one at checkout
+    # instead of failing the request with InterfaceError (a 500); the timeouts turn a connection
+    # that hangs (the server gone mid-restart) into an error, never a request that waits forever.
+    # Found by tests/system/test_compose_cluster.py::test_fault_postgres_restarted.
+    return create_async_engine(
+        parsed,
+        pool_size=5,
+        max_overflow=10,
+        pool_recycle=1800,
+        pool_pre_ping=True,
+        pool_timeout=PG_TIMEOUT_S,
+        connect_args={"timeout": PG_TIMEOUT_S, "command_timeout": PG_TIMEOUT_S},
+    )
 
 
 def sqlite_path(url: str | URL) -> Path | None:
