@@ -79,7 +79,7 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || clients/rl/pyproject.toml -nt 
   .venv/bin/pip install -q --disable-pip-version-check -e ./clients/rl -e ".[test,dev]"
   touch "$stamp"
 fi
-if [[ "${1:-}" == "--test" && ! ( -d tests/js/node_modules/e2b && -d tests/js/node_modules/@e2b/cli ) ]]; then
+if [[ "${1:-}" == "--test" && ! ( -d tests/js/node_modules/e2b && -d tests/js/node_modules/@e2b/cli && -d tests/js/node_modules/@e2b/code-interpreter ) ]]; then
   echo "bootstrap: installing the e2b JS SDK for tests"
   (cd tests/js && npm install --no-audit --no-fund --silent)
 fi
