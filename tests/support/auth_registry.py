@@ -97,7 +97,10 @@ def _wait_for_auth(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"docker-registry did not answer {url}")
 
 
-def _seed(work: Path, image: str) -> None:
+def busybox_layout(work: Path, file: tuple[str, str], env: str) -> Path:
+    """An OCI layout (``<work>/layout``, image ``img``) of a static busybox (what the builder's
+    provisioning needs: ``/bin/sh``, ``adduser``) with ``file`` (name, text) at its root and ``env``
+    (``NAME=value``) in its config."""
     layout, bundle = work / "layout", work / "bundle"
     for cmd in (
         ["umoci", "init", "--layout", str(layout)],
@@ -113,10 +116,19 @@ def _seed(work: Path, image: str) -> None:
     subprocess.run(["chroot", str(root), "/bin/busybox", "--install", "-s", "/bin"], check=True)
     (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     (root / "etc/group").write_text("root:x:0:\n")
-    (root / "hello.txt").write_text(HELLO)
+    (root / file[0]).write_text(file[1])
     for cmd in (
         ["umoci", "repack", "--image", f"{layout}:img", str(bundle)],
-        ["umoci", "config", "--image", f"{layout}:img", "--config.env", "PRIVATE_IMAGE=yes"],
+        ["umoci", "config", "--image", f"{layout}:img", "--config.env", env],
+    ):
+        subprocess.run(cmd, check=True, capture_output=True)
+    shutil.rmtree(bundle)
+    return layout
+
+
+def _seed(work: Path, image: str) -> None:
+    layout = busybox_layout(work, ("hello.txt", HELLO), "PRIVATE_IMAGE=yes")
+    for cmd in (
         [
             "skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"alice:{PASSWORD}",
             f"oci:{layout}:img", f"docker://{image}",

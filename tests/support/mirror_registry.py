@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support import free_port
-from tests.support.auth_registry import _bcrypt, _wait_for_auth
+from tests.support.auth_registry import _bcrypt, _wait_for_auth, busybox_layout
 
 MIRROR_USER, MIRROR_PASSWORD = "mirror-reader", "mirror-s3cret"
 MIRRORED = ("library/ubuntu:22.04", "library/busybox:latest")
@@ -65,7 +65,7 @@ def mirror_registry() -> Iterator[MirrorRegistry]:
     host = f"127.0.0.1:{port}"
     try:
         _wait_for_auth(f"http://{host}/v2/", proc)
-        layout = _busybox_image(work)
+        layout = busybox_layout(work, ("mirror.txt", MARKER), "MIRRORED=yes")
         for name in MIRRORED:
             subprocess.run(
                 [
@@ -82,31 +82,3 @@ def mirror_registry() -> Iterator[MirrorRegistry]:
         proc.wait(timeout=30)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _busybox_image(work: Path) -> Path:
-    """An OCI layout with one image: a static busybox (what the builder's provisioning needs:
-    ``/bin/sh``, ``adduser``), ``/mirror.txt`` and ``MIRRORED=yes`` in its config."""
-    layout, bundle = work / "layout", work / "bundle"
-    for cmd in (
-        ["umoci", "init", "--layout", str(layout)],
-        ["umoci", "new", "--image", f"{layout}:img"],
-        ["umoci", "unpack", "--image", f"{layout}:img", str(bundle)],
-    ):
-        subprocess.run(cmd, check=True, capture_output=True)
-    root = bundle / "rootfs"
-    for d in ("bin", "etc", "tmp", "root"):
-        (root / d).mkdir(exist_ok=True)
-    (root / "tmp").chmod(0o1777)
-    shutil.copy2(str(shutil.which("busybox")), root / "bin" / "busybox")
-    subprocess.run(["chroot", str(root), "/bin/busybox", "--install", "-s", "/bin"], check=True)
-    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    (root / "etc/group").write_text("root:x:0:\n")
-    (root / "mirror.txt").write_text(MARKER)
-    for cmd in (
-        ["umoci", "repack", "--image", f"{layout}:img", str(bundle)],
-        ["umoci", "config", "--image", f"{layout}:img", "--config.env", "MIRRORED=yes"],
-    ):
-        subprocess.run(cmd, check=True, capture_output=True)
-    shutil.rmtree(bundle)
-    return layout
