@@ -691,8 +691,11 @@ def secured_envd() -> Iterator[Envd]:
 def test_access_token_required_except_health(secured_envd: Envd, workdir: str) -> None:
     url = secured_envd.url
     assert httpx.get(f"{url}/health").status_code == 204
-    resp = httpx.get(f"{url}/envs")
+    resp = httpx.get(f"{url}/files", params={"path": "/etc/hostname"})
     assert resp.status_code == 401 and resp.json()["code"] == 401
+    # /envs is open to loopback peers (processes inside the sandbox, which hold these variables
+    # anyway; the code interpreter's server reads them): this test's client is one.
+    assert httpx.get(f"{url}/envs").status_code == 200
     resp = httpx.post(f"{url}/process.Process/List", json={}, headers={"Content-Type": "application/json"})
     assert resp.status_code == 401 and resp.json()["code"] == "unauthenticated"
     assert httpx.get(f"{url}/envs", headers=secured_envd.headers()).status_code == 200
@@ -711,8 +714,9 @@ def test_init_sets_the_token(envd: Envd) -> None:
     try:
         token = "tok-" + uuid.uuid4().hex
         assert httpx.post(f"{server.url}/init", json={"accessToken": token}).status_code == 204
-        assert httpx.get(f"{server.url}/envs").status_code == 401
-        assert httpx.get(f"{server.url}/envs", headers={"X-Access-Token": token}).status_code == 200
+        files = f"{server.url}/files?path=/etc/hostname"
+        assert httpx.get(files).status_code == 401
+        assert httpx.get(files, headers={"X-Access-Token": token}).status_code == 200
         assert httpx.post(f"{server.url}/init", json={}).status_code == 401  # now /init needs it too
     finally:
         _stop_envd(server)
