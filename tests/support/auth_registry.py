@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 
@@ -59,18 +60,7 @@ def auth_registry() -> Iterator[AuthRegistry]:
             raise RuntimeError(f"{tool} is not installed (scripts/bootstrap.sh --test installs it)")
     work = Path(tempfile.mkdtemp(prefix="forkyard-authreg-"))
     users = {"alice": PASSWORD, "_json_key": json.dumps(SERVICE_ACCOUNT), ECR_USER: ECR_TOKEN}
-    (work / "htpasswd").write_text("".join(f"{u}:{_bcrypt(p)}\n" for u, p in users.items()))
-    port = free_port()
-    (work / "config.yml").write_text(
-        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
-        f"auth:\n  htpasswd:\n    realm: forkyard-test\n    path: {work / 'htpasswd'}\n"
-    )
-    log = open(work / "registry.log", "wb")
-    proc = subprocess.Popen(
-        ["docker-registry", "serve", str(work / "config.yml")], stdout=log, stderr=subprocess.STDOUT
-    )
-    host = f"127.0.0.1:{port}"
+    log, proc, host = start_htpasswd_registry(work, users, realm="forkyard-test", level="warn")
     try:
         _wait_for_auth(f"http://{host}/v2/", proc)
         image = f"{host}/private/hello:v1"
@@ -95,6 +85,25 @@ def _wait_for_auth(url: str, proc: subprocess.Popen[bytes]) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"docker-registry did not answer {url}")
+
+
+def start_htpasswd_registry(
+    work: Path, users: dict[str, str], *, realm: str, level: str
+) -> tuple[BinaryIO, subprocess.Popen[bytes], str]:
+    """Debian's docker-registry on a free loopback port, storing under ``work`` and asking
+    ``users`` (name -> password) for htpasswd logins: (its log file, its process, host:port)."""
+    (work / "htpasswd").write_text("".join(f"{u}:{_bcrypt(p)}\n" for u, p in users.items()))
+    port = free_port()
+    (work / "config.yml").write_text(
+        f"version: 0.1\nlog:\n  level: {level}\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+        f"auth:\n  htpasswd:\n    realm: {realm}\n    path: {work / 'htpasswd'}\n"
+    )
+    log = open(work / "registry.log", "wb")
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(work / "config.yml")], stdout=log, stderr=subprocess.STDOUT
+    )
+    return log, proc, f"127.0.0.1:{port}"
 
 
 def busybox_layout(work: Path, file: tuple[str, str], env: str) -> Path:

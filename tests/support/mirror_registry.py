@@ -21,8 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support import free_port
-from tests.support.auth_registry import _bcrypt, _wait_for_auth, busybox_layout
+from tests.support.auth_registry import _wait_for_auth, busybox_layout, start_htpasswd_registry
 
 MIRROR_USER, MIRROR_PASSWORD = "mirror-reader", "mirror-s3cret"
 MIRRORED = ("library/ubuntu:22.04", "library/busybox:latest")
@@ -51,18 +50,8 @@ def mirror_registry() -> Iterator[MirrorRegistry]:
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} is not installed (scripts/bootstrap.sh --test installs it)")
     work = Path(tempfile.mkdtemp(prefix="forkyard-mirror-"))
-    (work / "htpasswd").write_text(f"{MIRROR_USER}:{_bcrypt(MIRROR_PASSWORD)}\n")
-    port = free_port()
-    (work / "config.yml").write_text(
-        "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
-        f"auth:\n  htpasswd:\n    realm: forkyard-mirror\n    path: {work / 'htpasswd'}\n"
-    )
-    log = open(work / "registry.log", "wb")
-    proc = subprocess.Popen(
-        ["docker-registry", "serve", str(work / "config.yml")], stdout=log, stderr=subprocess.STDOUT
-    )
-    host = f"127.0.0.1:{port}"
+    users = {MIRROR_USER: MIRROR_PASSWORD}
+    log, proc, host = start_htpasswd_registry(work, users, realm="forkyard-mirror", level="info")
     try:
         _wait_for_auth(f"http://{host}/v2/", proc)
         layout = busybox_layout(work, ("mirror.txt", MARKER), "MIRRORED=yes")
