@@ -57,6 +57,7 @@ MANIFEST_FORMAT = 1
 LAYER_ID = re.compile(r"l[0-9a-f]{16}\Z")
 TEMPLATE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 BUILD = re.compile(r"[0-9a-f]{16}\Z")
+LAST_MODIFIED_RESOLUTION = 1.0  # seconds; S3 gives modification times in whole seconds
 #: A chunk reference: (sha256 hex of the raw bytes, length); the hash is None for a hole.
 Chunk = tuple[str | None, int]
 #: tar flags that keep what an overlay layer is made of: owners by number, every xattr (the
@@ -205,7 +206,10 @@ class S3Backend:
             head = self._call("head", self._client.head_object, Key=self.prefix + key)
         except NotFound:
             return None
-        return time.time() - head["LastModified"].timestamp()
+        # Last-Modified travels as an HTTP date, whole seconds, cut down: the blob may have been
+        # written up to a second after it says. Counting from the end of that second keeps a sweep
+        # from taking as old what another node refreshed a moment ago.
+        return time.time() - (head["LastModified"].timestamp() + LAST_MODIFIED_RESOLUTION)
 
     def refresh(self, key: str) -> bool:
         # A copy onto itself with new metadata is S3's only way to touch an object.
@@ -728,7 +732,7 @@ class SnapshotObjects:
         """Delete the candidates no manifest names, that are older than the grace (an upload on
         another node refreshes what it reuses) and that no upload of this process has pinned."""
         unnamed = candidates - self._named()
-        aged = {k for k in unnamed if (age := self.backend.age(k)) is not None and age >= grace_seconds}
+        aged = {k for k in unnamed if self._older_than(k, grace_seconds)}
         # A tree kept for its age (a reused layer: its upload refreshed only the tree's manifest)
         # keeps its chunks.
         for tree in unnamed - aged:
@@ -747,6 +751,11 @@ class SnapshotObjects:
             for key in doomed:
                 self._manifests.pop(key, None)
         return doomed
+
+    def _older_than(self, key: str, grace_seconds: float) -> bool:
+        """Stored and older than the grace; with no grace, every stored key is."""
+        age = self.backend.age(key)
+        return age is not None and (grace_seconds <= 0 or age >= grace_seconds)
 
     def _named(self) -> set[str]:
         """Every key some snapshot manifest names, directly or through its layers and template."""

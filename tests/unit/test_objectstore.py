@@ -287,10 +287,15 @@ def test_a_reused_layer_kept_for_its_age_keeps_its_chunks(s3: S3Server, tmp_path
     a = snap_id()
     path = write_snapshot(tmp_path, a, os.urandom(CHUNK), [lid])
     here.upload(path, row_of(a).__dict__ | {"created_at": 0}, layers=[lid], layer_path=lambda x: layers / x)
-    time.sleep(1.1)  # the layer's chunks are older than the grace below
+    grace = 2.0
+    # S3 dates are whole seconds and ages count from the end of that second: one more second
+    # makes the layer's chunks older than the grace for sure.
+    time.sleep(grace + 1.2)
     report = UploadReport(Manifest(snap_id(), {}, [], [lid], None))
     assert not there.upload_layer(lid, layers / lid, report)  # reused: its manifest refreshed
-    here.delete(a, grace_seconds=1.0)
+    chunk_ages = [here.backend.age(k) for k in here.backend.list("chunks/")]
+    assert chunk_ages and all(age is not None and age >= grace for age in chunk_ages)
+    here.delete(a, grace_seconds=grace)
     there.fetch_layer(lid, tmp_path / "fetched")
     fetched = (tmp_path / "fetched" / "etc" / "data").read_bytes()
     assert fetched == (layers / lid / "etc" / "data").read_bytes()
