@@ -33,7 +33,7 @@ run: template
 test: template code-interpreter
 	@scripts/bootstrap.sh --test
 	$(LINT)
-	$(PY) -m pytest -rs --durations=40 --ignore=tests/system/test_compose_cluster.py $(PYTEST_ARGS)
+	scripts/test.sh $(PYTEST_ARGS)
 
 # tests/unit only: any user, about a minute. Uses the existing .venv; creates it (pip only, no
 # apt) when there is none.

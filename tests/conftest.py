@@ -15,6 +15,7 @@ Markers (pyproject.toml): ``requires_root("why")`` skips, printing why, unless r
 from __future__ import annotations
 
 import os
+import uuid
 from functools import cache
 
 import pytest
@@ -60,20 +61,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _HOST_BEFORE = pytest.StashKey[leaks.HostState]()
 
 
+#: ``processes``: this session makes no host network resources (the emulated KVM host's suite,
+#: which scripts/test.sh runs beside the rest), so its check looks at its own processes only.
+HOST_CHECK_ENV = "FORKYARD_TEST_HOST_CHECK"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Inherited by every process this session starts: the host check tells sessions apart by it.
+    os.environ[leaks.SESSION_ENV] = uuid.uuid4().hex
+
+
+def _processes_only() -> bool:
+    return os.environ.get(HOST_CHECK_ENV) == "processes"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Before system tests run as root: note the host's network namespaces, veths and sandbox
     processes (compared at the end of the run)."""
     if session.config.option.collectonly or os.geteuid() != 0:
         return
     if any(item.path.is_relative_to(TESTS / "system") for item in session.items):
-        session.config.stash[_HOST_BEFORE] = leaks.host_state()
+        session.config.stash[_HOST_BEFORE] = leaks.host_state(processes_only=_processes_only())
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     before = config.stash.get(_HOST_BEFORE, None)
     if before is None:
         return
-    left = leaks.wait_host_clean(before)
+    left = leaks.wait_host_clean(before, processes_only=_processes_only())
     terminalreporter.section("host leak check")
     if left:
         terminalreporter.write_line("left on the host by this run (or by a concurrent one):", red=True)

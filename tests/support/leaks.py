@@ -218,6 +218,36 @@ def processes(*needles: str) -> list[str]:
     ]
 
 
+#: Set by each pytest session (tests/conftest.py) and inherited by whatever it starts: two sessions
+#: run side by side in `make test` (scripts/test.sh), and each one's host check leaves the other's
+#: processes alone.
+SESSION_ENV = "FORKYARD_TEST_SESSION"
+
+
+def _session_of(pid: int) -> str | None:
+    """The test session that started ``pid`` (None: none, or its environment is unreadable)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = SESSION_ENV.encode() + b"="
+    for entry in environ:
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def _this_sessions(pid: int, *, surely: bool) -> bool:
+    """``pid`` was started by this test session: ``surely`` when it carries this session's mark,
+    else unless it carries another's (runsc may start a sandbox's processes with a clean
+    environment: unmarked ones count as ours)."""
+    mine = os.environ.get(SESSION_ENV)
+    theirs = _session_of(pid)
+    if surely:
+        return mine is not None and theirs == mine
+    return mine is None or theirs is None or theirs == mine
+
+
 def _is_sandbox_program(argv: list[str]) -> bool:
     name = os.path.basename(argv[0].split()[0]) if argv[0].strip() else ""
     return name.startswith(SANDBOX_PROGRAMS) or any(module in argv for module in SANDBOX_MODULES)
@@ -279,18 +309,28 @@ class HostState:
         )
 
 
-def host_state() -> HostState:
-    programs = {int(line.split(" ", 1)[0]): line for line in sandbox_processes()}
+def host_state(*, processes_only: bool = False) -> HostState:
+    """The host's sandbox resources now, without the processes of another test session running
+    beside this one. ``processes_only``: a session that makes no host network resources (the
+    emulated KVM host's, whose sandboxes live inside its QEMU) looks only at the processes it
+    surely started, since namespaces, veths and unmarked processes cannot be told apart by session."""
+    programs = {
+        pid: line
+        for line in sandbox_processes()
+        if _this_sessions(pid := int(line.split(" ", 1)[0]), surely=processes_only)
+    }
+    if processes_only:
+        return HostState(frozenset(), frozenset(), programs)
     return HostState(
         frozenset(forkyard_netns()), frozenset(host_links()), programs, frozenset(sandbox_chains())
     )
 
 
-def wait_host_clean(before: HostState, timeout: float = 10) -> list[str]:
+def wait_host_clean(before: HostState, timeout: float = 10, *, processes_only: bool = False) -> list[str]:
     """What appeared on the host since ``before``, polled until nothing or ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        new = host_state().new_since(before)
+        new = host_state(processes_only=processes_only).new_since(before)
         if not new or time.monotonic() > deadline:
             return new
         time.sleep(0.25)
