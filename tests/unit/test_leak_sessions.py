@@ -36,9 +36,13 @@ def _start(fake: tuple[Path, list[subprocess.Popen[bytes]]], session: str | None
     return proc.pid
 
 
-def test_each_session_counts_its_own_processes(fake_vmm: tuple[Path, list[subprocess.Popen[bytes]]]) -> None:
+Fake = tuple[Path, list[subprocess.Popen[bytes]]]
+
+
+def test_each_session_counts_its_own_processes(fake_vmm: Fake) -> None:
     mine = os.environ[leaks.SESSION_ENV]  # set by tests/conftest.py for every session
-    ours, theirs, unmarked = _start(fake_vmm, mine), _start(fake_vmm, "another-session"), _start(fake_vmm, None)
+    ours, theirs = _start(fake_vmm, mine), _start(fake_vmm, "another-session")
+    unmarked = _start(fake_vmm, None)
 
     seen = leaks.host_state().processes
     assert ours in seen and unmarked in seen  # unmarked: possibly ours (runsc may clear the env)
