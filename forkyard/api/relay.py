@@ -25,7 +25,7 @@ import websockets
 from starlette.types import Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 
-from forkyard.envd.signature import expected_signature
+from forkyard.envd.http.signature import expected_signature
 from forkyard.orchestrator.ids import normalise_sandbox_id
 
 #: Hop-by-hop headers (RFC 9110 7.6.1) plus the ones the proxy sets itself.

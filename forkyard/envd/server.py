@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     # anything imports connectrpc or uvicorn.
     lean.defer_http_client()
     config_class, server_class = lean.uvicorn_server()
-    from forkyard.envd.app import create_app
+    from forkyard.envd.http.app import create_app
 
     quiet_server = _quiet(server_class)
 

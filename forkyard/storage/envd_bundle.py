@@ -9,7 +9,7 @@ copied into one directory that runtimes mount read-only at ``/.forkyard``::
     {data_dir}/envd-runtime/<hash>/
         bin/python3        host interpreter; PT_INTERP and RUNPATH point into /.forkyard/lib
         bin/envd           launcher script (``#!/.forkyard/bin/python3 -I``), needs no /bin/sh
-        bin/sudo           sudo through envd's broker (envd/sudo.py), for gVisor
+        bin/sudo           sudo through envd's broker (envd/process/sudo.py), for gVisor
         lib/               ld-linux-x86-64.so.2, libc.so.6, libpython3.11.so.1.0, libssl, ...
         lib/python3.11/    stdlib (no tests, idle, tkinter, ...), lib-dynload, site-packages
                            (Debian's python: lib/python3/dist-packages, :func:`bundle_site_rel`)
@@ -487,16 +487,16 @@ def _write_launcher(dest: Path) -> None:
 
 
 def _write_sudo(dest: Path, site_rel: str) -> None:
-    """``/.forkyard/bin/sudo``: the sudo that asks envd (forkyard/envd/sudo.py); the gVisor runtime
+    """``/.forkyard/bin/sudo``: the sudo that asks envd (forkyard/envd/process/sudo.py); the gVisor runtime
     mounts it over the template's /usr/bin/sudo, whose set-uid bit gVisor ignores. ``-S``: no
     ``site`` (its .pth files cost a third of the start), the one directory it needs put on the path."""
     sudo = dest / "bin" / SUDO_SHIM
     sudo.write_text(
         f"#!{MOUNT_POINT}/bin/python3 -IS\n"
-        '"""sudo through envd (forkyard.envd.sudo_client)."""\n'
+        '"""sudo through envd (forkyard.envd.process.sudo_client)."""\n'
         "import sys\n"
         f"sys.path.append({MOUNT_POINT + '/' + site_rel!r})\n"
-        "from forkyard.envd.sudo_client import main\n"
+        "from forkyard.envd.process.sudo_client import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     sudo.chmod(0o755)

@@ -2,7 +2,7 @@
 against a real server and real gVisor sandboxes of the ``base`` template:
 
 - ``sudo`` for the default user ``user``: passwordless, ``-u``, ``-E``, exit codes, a terminal;
-  brokered by envd under gVisor, which ignores set-uid bits (forkyard/envd/sudo.py);
+  brokered by envd under gVisor, which ignores set-uid bits (forkyard/envd/process/sudo.py);
 - the files API as E2B's envd does it: as root, what it creates given to the user;
 - ``files.read`` of a /proc file (size 0, content to EOF);
 - a relative path in the JS SDK's ``files.write([...])`` lands in the user's home;

@@ -1049,7 +1049,7 @@ def test_running_envd_maps_no_unused_libraries(envd: Envd) -> None:
         "from forkyard.envd import lean\n"
         "lean.defer_http_client()\n"
         "lean.uvicorn_server()\n"
-        "import forkyard.envd.app, uvicorn.lifespan.on, uvicorn.protocols.http.h11_impl\n"
+        "import forkyard.envd.http.app, uvicorn.lifespan.on, uvicorn.protocols.http.h11_impl\n"
         "unused = ('pyqwest._pyqwest', 'click', 'multiprocessing', 'uvicorn.main', 'websockets', 'ctypes')\n"
         "print([m for m in unused if m in sys.modules])\n"
         # Deferred, not removed: whoever really uses them gets the real modules.
@@ -1079,7 +1079,7 @@ def test_bundle_ships_what_envd_imports_of_the_project() -> None:
     package = envd_bundle.envd_source_dir().parent
     shipped = {str(path.relative_to(package)) for path in envd_bundle._bundled_sources()}
     assert {"__init__.py", "types.py", "errors.py", "envd/server.py"} <= shipped
-    envd_bundle._check_project_imports([package / "types.py", package / "envd" / "app.py"])
+    envd_bundle._check_project_imports([package / "types.py", package / "envd" / "http" / "app.py"])
     with pytest.raises(envd_bundle.BundleError, match=r"config\.py"):
         envd_bundle._check_project_imports([package / "config.py"])
 
@@ -1109,7 +1109,7 @@ def test_init_timestamp_never_moves_the_clock_unless_enabled(envd: Envd) -> None
 
 
 def test_sync_clock_steps_only_on_skew_and_tolerates_refusal() -> None:
-    from forkyard.envd.app import sync_clock
+    from forkyard.envd.http.app import sync_clock
     from forkyard.envd.settings import parse_settings
 
     calls: list[tuple[int, float]] = []
@@ -1242,7 +1242,7 @@ def test_stalled_client_is_dropped_and_the_process_runs_on(workdir: str) -> None
         assert "Traceback" not in _stop_envd(server)
 
 
-# --- login environments (forkyard/envd/loginenv.py) ----------------------------------------------
+# --- login environments (forkyard/envd/process/loginenv.py) ----------------------------------------------
 # `commands.run` is `/bin/bash -l -c <cmd>`; envd runs the profile once per (user, cwd, env) and
 # starts commands as `bash --login --noprofile -c` in its result. These tests pin that a command
 # cannot tell: an envd in a private mount namespace with an account of its own and a Debian-like

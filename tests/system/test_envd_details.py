@@ -83,7 +83,7 @@ def test_connect_timeout_on_the_wire(sbx: Sandbox) -> None:
 
 
 def test_file_metadata_on_the_gvisor_root(sbx: Sandbox) -> None:
-    """gVisor's gofer has no user xattrs; envd's metadata store stands in (metadata_store.py)."""
+    """gVisor's gofer has no user xattrs; envd's metadata store stands in (filesystem/metadata_store.py)."""
     path = "/home/user/meta.txt"
     sbx.files.write(path, "data", metadata=METADATA)
     wanted = {k.lower(): v for k, v in METADATA.items()}

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from forkyard.api.proxy import _ConnectFrames, connect_end_stream, stream_cut_message
-from forkyard.envd import sudo_args
-from forkyard.envd.files_http import _shown_path
+from forkyard.envd.filesystem.tempnames import temp_upload_name
+from forkyard.envd.http.files import _shown_path
+from forkyard.envd.process import sudo_args
 from forkyard.envd.settings import parse_settings
-from forkyard.envd.tempnames import temp_upload_name
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,11 @@ from connectrpc.method import IdempotencyLevel, MethodInfo
 from connectrpc.request import RequestContext
 from starlette.datastructures import Headers
 
-from forkyard.envd.inotify import DirectoryWatcher, WatchEvent
-from forkyard.envd.metadata_store import MetadataStore
+from forkyard.envd.filesystem.inotify import DirectoryWatcher, WatchEvent
+from forkyard.envd.filesystem.metadata_store import MetadataStore
+from forkyard.envd.filesystem.tempnames import temp_upload_name
+from forkyard.envd.http.rpc import DEADLINE_MESSAGE, with_deadline
 from forkyard.envd.proto.filesystem_pb import EventType
-from forkyard.envd.rpc import DEADLINE_MESSAGE, with_deadline
-from forkyard.envd.tempnames import temp_upload_name
 
 
 def _ctx(timeout_ms: int | None) -> RequestContext[Any, Any]:

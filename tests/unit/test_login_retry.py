@@ -1,4 +1,4 @@
-"""Captured logins (forkyard.envd.loginenv): a capture that only ran out of time is tried again."""
+"""Captured logins (forkyard.envd.process.loginenv): a capture that only ran out of time is tried again."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from forkyard.envd import loginenv
-from forkyard.envd.loginenv import LoginEnvironments, LoginKey
+from forkyard.envd.process import loginenv
+from forkyard.envd.process.loginenv import LoginEnvironments, LoginKey
 from forkyard.envd.users import User
 
 

@@ -272,7 +272,7 @@ class GvisorRuntime(Runtime):
     @staticmethod
     def _has_sudo(rootfs: Path) -> bool:
         """gVisor ignores set-uid bits ("no new privileges"): a template's sudo gives way to the
-        bundle's, which asks envd (forkyard/envd/sudo.py). Decided at boot and kept in the
+        bundle's, which asks envd (forkyard/envd/process/sudo.py). Decided at boot and kept in the
         snapshot's meta: a restore must have the mounts its checkpoint had."""
         return os.path.lexists(rootfs / "usr/bin/sudo")
 

@@ -17,8 +17,8 @@ from connectrpc.method import IdempotencyLevel, MethodInfo
 from connectrpc.request import RequestContext
 from connectrpc.server import ConnectASGIApplication, Endpoint
 
-from forkyard.envd.filesystem_service import FilesystemService
-from forkyard.envd.process_service import ProcessService
+from forkyard.envd.filesystem.service import FilesystemService
+from forkyard.envd.process.service import ProcessService
 from forkyard.envd.proto import filesystem_pb as fs
 from forkyard.envd.proto import process_pb as pr
 

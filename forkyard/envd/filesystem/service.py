@@ -1,6 +1,6 @@
 """``filesystem.Filesystem``: Stat, MakeDir, Move, ListDir, Remove, WatchDir and polled watchers.
 
-Every operation runs with the rights of the requesting user (fsaccess.py): what they may not
+Every operation runs with the rights of the requesting user (filesystem/access.py): what they may not
 see or change is PERMISSION_DENIED, what they create is theirs. E2B's envd acts as root and only
 chowns what it creates (docs/HARDENING.md).
 """
@@ -20,10 +20,10 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
 
-from forkyard.envd.entries import entry_from_stat, entry_info, os_error_to_connect
-from forkyard.envd.fsaccess import as_user
-from forkyard.envd.inotify import QUEUE_OVERFLOW, DirectoryWatcher, WatchEvent
-from forkyard.envd.metadata_store import default_store
+from forkyard.envd.filesystem.access import as_user
+from forkyard.envd.filesystem.entries import entry_from_stat, entry_info, os_error_to_connect
+from forkyard.envd.filesystem.inotify import QUEUE_OVERFLOW, DirectoryWatcher, WatchEvent
+from forkyard.envd.filesystem.metadata_store import default_store
 from forkyard.envd.proto.filesystem_pb import (
     CreateWatcherRequest,
     CreateWatcherResponse,

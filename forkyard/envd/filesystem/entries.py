@@ -13,7 +13,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from forkyard.envd.metadata_store import default_store
+from forkyard.envd.filesystem.metadata_store import default_store
 from forkyard.envd.proto.filesystem_pb import EntryInfo, FileType
 
 #: User metadata lives in this xattr namespace (envd.yaml ``POST /files``); the prefix is stripped.

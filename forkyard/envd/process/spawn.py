@@ -64,7 +64,7 @@ class Stdio:
     keep: tuple[int, ...] = ()
 
 
-class _ThreadCredentials:
+class ThreadCredentials:
     """Switches the calling thread's own credentials with raw syscalls (never the process's)."""
 
     def __init__(self) -> None:
@@ -111,7 +111,7 @@ class Spawner:
     def __init__(self) -> None:
         self._own = Identity.current()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envd-spawn")
-        self._credentials: _ThreadCredentials | None = None
+        self._credentials: ThreadCredentials | None = None
         self._broken: str | None = None
         self._live: set[int] = set()
         self._in_flight = 0
@@ -191,9 +191,9 @@ class Spawner:
         with self._acting_as(user):
             return subprocess.Popen(argv, **{**common, "cwd": None})
 
-    def _thread_credentials(self) -> _ThreadCredentials:
+    def _thread_credentials(self) -> ThreadCredentials:
         if self._credentials is None:
-            self._credentials = _ThreadCredentials()  # here, in the spawn thread (unshare)
+            self._credentials = ThreadCredentials()  # here, in the spawn thread (unshare)
         return self._credentials
 
     @contextlib.contextmanager
@@ -206,7 +206,7 @@ class Spawner:
         finally:
             self._restore(credentials)
 
-    def _restore(self, credentials: _ThreadCredentials) -> None:
+    def _restore(self, credentials: ThreadCredentials) -> None:
         try:
             credentials.restore(self._own)
         except OSError as exc:

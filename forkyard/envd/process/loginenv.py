@@ -41,11 +41,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from forkyard.envd.inotify import DirectoryWatcher, WatchEvent
-from forkyard.envd.processes import child_pipe, close_all, read_chunk
+from forkyard.envd.filesystem.inotify import DirectoryWatcher, WatchEvent
+from forkyard.envd.process.processes import child_pipe, close_all, read_chunk
+from forkyard.envd.process.reaper import session_members
+from forkyard.envd.process.spawn import Spawner, Stdio, identity_for
 from forkyard.envd.proto.process_pb import ProcessConfig
-from forkyard.envd.reaper import session_members
-from forkyard.envd.spawn import Spawner, Stdio, identity_for
 from forkyard.envd.users import User
 
 log = logging.getLogger("forkyard.envd.login")  # envd's handler: server.log_to_stderr

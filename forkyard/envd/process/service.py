@@ -12,8 +12,8 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
 
-from forkyard.envd.loginenv import LoginEnvironments, LoginKey, login_script
-from forkyard.envd.processes import ManagedProcess, ProcessTable, StreamOverflow
+from forkyard.envd.process.loginenv import LoginEnvironments, LoginKey, login_script
+from forkyard.envd.process.processes import ManagedProcess, ProcessTable, StreamOverflow
 from forkyard.envd.proto.process_pb import (
     CloseStdinRequest,
     CloseStdinResponse,

@@ -3,7 +3,7 @@
 gVisor runs a sandbox's processes with the "no new privileges" flag, so the set-uid bit of
 /usr/bin/sudo is ignored and sudo refuses to run. E2B's default user has passwordless sudo
 (templates and agent code use ``sudo apt-get install``, ``sudo systemctl ...``). envd is root, so
-it starts those commands instead: the gVisor runtime mounts ``/.forkyard/bin/sudo`` (sudo_client.py)
+it starts those commands instead: the gVisor runtime mounts ``/.forkyard/bin/sudo`` (process/sudo_client.py)
 over /usr/bin/sudo; that client connects to envd on an abstract Unix socket and hands over its
 command line, environment, working directory and its stdin/stdout/stderr (SCM_RIGHTS: the
 command writes to the caller's pipes or terminal directly). envd learns who asks from the
@@ -34,9 +34,9 @@ import struct
 import subprocess
 from typing import Any
 
-from forkyard.envd import sudo_args
-from forkyard.envd.spawn import Identity, Spawner, Stdio
-from forkyard.envd.sudo_args import SudoCommandLine, SudoUsageError
+from forkyard.envd.process import sudo_args
+from forkyard.envd.process.spawn import Identity, Spawner, Stdio
+from forkyard.envd.process.sudo_args import SudoCommandLine, SudoUsageError
 
 logger = logging.getLogger("forkyard.envd")
 

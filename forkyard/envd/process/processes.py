@@ -26,8 +26,8 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from forkyard.envd.process.spawn import Identity, Spawner, Stdio, identity_for
 from forkyard.envd.proto.process_pb import ProcessConfig, ProcessEvent
-from forkyard.envd.spawn import Identity, Spawner, Stdio, identity_for
 from forkyard.envd.users import User
 
 _READ_CHUNK = 64 * 1024

@@ -3,7 +3,7 @@
 Uploads stream into a temporary file next to the target, which is renamed over it only once the
 whole body arrived: a failed or aborted upload never leaves a half-written file behind.
 
-Every path is opened, created and renamed with the rights of the request's user (fsaccess.py):
+Every path is opened, created and renamed with the rights of the request's user (filesystem/access.py):
 what the user could not read or write is refused with 403, what they create is theirs.
 """
 
@@ -24,14 +24,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from forkyard.envd.entries import METADATA_XATTR_PREFIX
-from forkyard.envd.filesystem_service import chown_to, make_dirs
-from forkyard.envd.fsaccess import as_user
-from forkyard.envd.http_common import json_object
-from forkyard.envd.metadata_store import default_store
-from forkyard.envd.multipart import MultipartReader, boundary_from_content_type
+from forkyard.envd.filesystem.access import as_user
+from forkyard.envd.filesystem.entries import METADATA_XATTR_PREFIX
+from forkyard.envd.filesystem.metadata_store import default_store
+from forkyard.envd.filesystem.service import chown_to, make_dirs
+from forkyard.envd.filesystem.tempnames import parse_temp_upload_name, temp_upload_name
+from forkyard.envd.http.common import json_object
+from forkyard.envd.http.multipart import MultipartReader, boundary_from_content_type
 from forkyard.envd.state import EnvdState
-from forkyard.envd.tempnames import parse_temp_upload_name, temp_upload_name
 from forkyard.envd.users import User, resolve_path
 from forkyard.errors import Failed, Forbidden, ForkyardError, InsufficientStorage, Invalid, NotFound
 
@@ -291,7 +291,7 @@ class _Upload:
         except OSError as exc:
             if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
-            in_xattrs = False  # gVisor's gofer: the metadata store keeps it (metadata_store.py)
+            in_xattrs = False  # gVisor's gofer: the metadata store keeps it (filesystem/metadata_store.py)
         os.replace(self.temp, self.target)
         return in_xattrs
 

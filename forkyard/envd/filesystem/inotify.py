@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from forkyard.envd.filesystem.tempnames import parse_temp_upload_name
 from forkyard.envd.proto.filesystem_pb import EventType
-from forkyard.envd.tempnames import parse_temp_upload_name
 
 if TYPE_CHECKING:
     import ctypes

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from forkyard.envd.spawn import Identity, _ThreadCredentials
+from forkyard.envd.process.spawn import Identity, ThreadCredentials
 from forkyard.envd.users import User
 
 logger = logging.getLogger("forkyard.envd")
@@ -46,10 +46,10 @@ class FileAccess:
         """Only root can act as another user; acting as envd's own user needs no switch."""
         return self.as_the_user and self._own.uid == 0 and user.uid != self._own.uid
 
-    def _credentials(self) -> _ThreadCredentials:
-        credentials: _ThreadCredentials | None = getattr(self._local, "credentials", None)
+    def _credentials(self) -> ThreadCredentials:
+        credentials: ThreadCredentials | None = getattr(self._local, "credentials", None)
         if credentials is None:
-            credentials = _ThreadCredentials()
+            credentials = ThreadCredentials()
             self._local.credentials = credentials
         return credentials
 
@@ -70,7 +70,7 @@ class FileAccess:
             self._local.acting = None
             self._restore(credentials)
 
-    def _restore(self, credentials: _ThreadCredentials) -> None:
+    def _restore(self, credentials: ThreadCredentials) -> None:
         try:
             credentials.restore(self._own)
         except OSError:

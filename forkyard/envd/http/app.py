@@ -18,22 +18,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from forkyard.envd import fsaccess, metrics
-from forkyard.envd.files_http import compose, download, upload
-from forkyard.envd.filesystem_service import FilesystemService
-from forkyard.envd.fsfreeze import fsfreeze, fsthaw
-from forkyard.envd.http_common import EXCEPTION_HANDLERS, error_response, json_object
-from forkyard.envd.loginenv import LoginEnvironments, LoginKey
-from forkyard.envd.metadata_store import default_store
-from forkyard.envd.process_service import ProcessService
-from forkyard.envd.processes import ProcessTable
-from forkyard.envd.reaper import reap_orphans_forever
-from forkyard.envd.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_app, process_app
+from forkyard.envd.filesystem import access as fsaccess
+from forkyard.envd.filesystem.freeze import fsfreeze, fsthaw
+from forkyard.envd.filesystem.metadata_store import default_store
+from forkyard.envd.filesystem.service import FilesystemService
+from forkyard.envd.http import metrics
+from forkyard.envd.http.common import EXCEPTION_HANDLERS, error_response, json_object
+from forkyard.envd.http.files import compose, download, upload
+from forkyard.envd.http.rpc import FILESYSTEM_SERVICE, PROCESS_SERVICE, filesystem_app, process_app
+from forkyard.envd.http.signature import signature_refusal
+from forkyard.envd.process.loginenv import LoginEnvironments, LoginKey
+from forkyard.envd.process.processes import ProcessTable
+from forkyard.envd.process.reaper import reap_orphans_forever
+from forkyard.envd.process.service import ProcessService
+from forkyard.envd.process.spawn import Spawner
+from forkyard.envd.process.sudo import SudoBroker
 from forkyard.envd.settings import EnvdSettings
-from forkyard.envd.signature import signature_refusal
-from forkyard.envd.spawn import Spawner
 from forkyard.envd.state import EnvdState
-from forkyard.envd.sudo import SudoBroker
 from forkyard.errors import Invalid, Unauthenticated
 from forkyard.types import ENVD_INIT_REVALIDATE
 
@@ -175,7 +176,7 @@ def create_app(settings: EnvdSettings) -> Starlette:
     logins = LoginEnvironments(spawner)
     filesystem = FilesystemService(state)
     sudo_broker = SudoBroker(spawner)
-    default_store().start()  # as envd itself, before any request acts as a user (metadata_store.py)
+    default_store().start()  # as envd itself, before any request acts as a user (metadata store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
