@@ -228,7 +228,17 @@ class SandboxProxy:
 
     # -- HTTP ----------------------------------------------------------------------------------
 
+    async def _wake(self, target: Target) -> None:
+        """A sandbox with no route may be paused with ``autoResume``: this traffic resumes it
+        (E2B's auto-resume on an SDK call or a request to one of its ports)."""
+        if (
+            SANDBOX_ID_LOOSE_RE.fullmatch(target.sandbox_id)
+            and self._orchestrator().route(target.sandbox_id) is None
+        ):
+            await self._orchestrator().wake(target.sandbox_id)
+
     async def _http(self, scope: Scope, receive: Receive, send: Send, target: Target) -> None:
+        await self._wake(target)
         route, refusal = self._resolve(scope, target)
         limit = self.settings.max_upload_bytes
         down = Downstream(receive, limit)
@@ -244,9 +254,9 @@ class SandboxProxy:
             await send_error(send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
             return
         has_body = bool(length and length != "0") or header(scope, b"transfer-encoding") is not None
-        headers = [("host", upstream_host(route, target.port)), *forward_headers(scope, target)]
+        headers = [("Host", upstream_host(route, target.port)), *forward_headers(scope, target)]
         if has_body and not length:
-            headers.append(("transfer-encoding", "chunked"))
+            headers.append(("Transfer-Encoding", "chunked"))
         request = h11.Request(method=scope["method"], target=self._target(scope), headers=headers)
         if not has_body:
             down.body_done = True
@@ -362,11 +372,14 @@ class SandboxProxy:
         msg = await receive()
         if msg["type"] != "websocket.connect":
             return
+        await self._wake(target)
         route, refusal = self._resolve(scope, target)
         if refusal or route is None:
             await send({"type": "websocket.close", "code": 1011, "reason": (refusal or (502, ""))[1][:120]})
             return
-        headers = [(k, v) for k, v in forward_headers(scope, target) if not k.startswith("sec-websocket-")]
+        headers = [
+            (k, v) for k, v in forward_headers(scope, target) if not k.lower().startswith("sec-websocket-")
+        ]
         try:
             upstream = await connect_websocket(
                 self._url(scope, route, target.port, scheme="ws"), headers, scope

@@ -121,21 +121,30 @@ def connection_tokens(scope: Scope) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
+def canonical_header_name(name: str) -> str:
+    """``x-forwarded-for`` -> ``X-Forwarded-For``: the casing E2B's proxy (Go's net/http, which
+    canonicalises every name) gives the headers a sandbox's server receives. ASGI hands us names in
+    lower case, and servers that echo or log names verbatim (Python's http.server) show the case."""
+    return "-".join(part[:1].upper() + part[1:] for part in name.lower().split("-"))
+
+
 def forward_headers(scope: Scope, target: Target) -> list[tuple[str, str]]:
+    """The request's end-to-end headers for the sandbox, named as E2B's proxy names them, with
+    the ``X-Forwarded-*`` headers added."""
     out = []
     drop = HOP_BY_HOP | ROUTING_HEADERS | connection_tokens(scope)
     for key, value in scope.get("headers", []):
         name = key.decode("latin-1").lower()
         if name in drop:
             continue
-        out.append((name, value.decode("latin-1")))
+        out.append((canonical_header_name(name), value.decode("latin-1")))
     client = scope.get("client")
     if client:
-        out.append(("x-forwarded-for", str(client[0])))
-    out.append(("x-forwarded-proto", "https" if scope.get("scheme") in ("https", "wss") else "http"))
+        out.append(("X-Forwarded-For", str(client[0])))
+    out.append(("X-Forwarded-Proto", "https" if scope.get("scheme") in ("https", "wss") else "http"))
     host = header(scope, b"host")
     if host:
-        out.append(("x-forwarded-host", host))
+        out.append(("X-Forwarded-Host", host))
     return out
 
 

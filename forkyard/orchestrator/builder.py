@@ -372,6 +372,9 @@ class TemplateBuilder:
                     await self._seal_step(build, runtime, instance, base, ctx, keys[i - 1], step)
             step = FINALIZE_STEP
             layer = hit.image.rootfs if hit is not None and cached == len(spec.steps) else None
+            if layer is None and instance is None:
+                # Nothing ran (E2B's `from_template(x)` alone, cache skipped): the parent's root.
+                layer = base.rootfs
             out = _Outcome(ctx, keys[-1] if keys else None, layer, cached)
             await self._finalize(build, spec, runtime, instance, base, out, staging)
         except Exception as exc:  # every failure ends the build, with its step and output

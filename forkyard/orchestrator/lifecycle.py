@@ -623,6 +623,7 @@ class Orchestrator:
         now = utcnow()
         rec.started_at = now
         rec.end_at = now + dt.timedelta(seconds=timeout_seconds)
+        rec.timeout_seconds = timeout_seconds
         await self._enter(rec, S.RUNNING)
         self._attach(rec)
 
@@ -990,6 +991,19 @@ class Orchestrator:
             rec.end_at = max(rec.end_at, utcnow() + dt.timedelta(seconds=timeout_seconds))
             await self.store.save(rec)
             return rec, False
+
+    async def wake(self, sandbox_id: str) -> Route | None:
+        """Traffic (an SDK call or a request to one of its ports) reached a sandbox that is not
+        running: one paused with ``autoResume`` resumes, with the timeout it was created with
+        counted from now (E2B's auto-resume); its route then. None when it stays unreachable."""
+        rec = await self.store.get(sandbox_id)
+        if rec is None or not rec.auto_resume or rec.state != S.PAUSED:
+            return self.route(sandbox_id)
+        try:
+            await self.connect(sandbox_id, rec.timeout_seconds or self.settings.default_timeout_seconds)
+        except ForkyardError as exc:  # killed or failed meanwhile: unreachable, as it was
+            log.info("auto-resume of %s failed: %s", sandbox_id, exc)
+        return self.route(sandbox_id)
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_seconds: int) -> SandboxRecord:
         """Thaw a frozen sandbox, restore one from its pause snapshot on disk, or boot one paused

@@ -104,6 +104,9 @@ class SandboxRecord:
     #: ``autoPauseMemory``: False makes the timeout's auto-pause a filesystem-only one.
     auto_pause_memory: bool = True
     auto_resume: bool = False
+    #: The timeout it was created with: an auto-resume gives it that again, counted from the
+    #: resume (E2B's; 0 in rows from before it was kept: the SDKs' default then).
+    timeout_seconds: int = 0
     #: Its network policy (E2B's ``allowInternetAccess`` and ``network``; ``allowPublicTraffic`` is
     #: ``traffic_access_token``): every restore (resume from disk, a restart) re-applies it.
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
@@ -158,6 +161,7 @@ def _to_row(rec: SandboxRecord) -> dict[str, Any]:
         "log_offsets": json.dumps(rec.log_offsets),
         "egress": json.dumps(asdict(rec.network.egress)) if rec.network.egress else None,
         "auto_pause_memory": int(rec.auto_pause_memory),
+        "timeout_seconds": rec.timeout_seconds,
     }
 
 
@@ -186,6 +190,7 @@ def _from_row(row: RowMapping) -> SandboxRecord:
         network=_network(aia, row["network"], row["egress"]),
         auto_pause=bool(row["auto_pause"]),
         auto_resume=bool(row["auto_resume"]),
+        timeout_seconds=int(row["timeout_seconds"]),
         origin=cast(Origin, row["origin"]),
         restored_from=row["restored_from"],
         pause_snapshot=row["pause_snapshot"],

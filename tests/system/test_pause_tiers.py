@@ -4,12 +4,14 @@ restores it; both tiers survive a server kill -9. The API shows both tiers as ``
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import sqlite3
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from e2b import NotFoundException, Sandbox
 
@@ -203,3 +205,38 @@ def test_server_kill_9_with_sandboxes_in_every_tier_loses_and_leaks_nothing() ->
         finally:
             kill_all_sandboxes(second)  # nothing when it is already down
             second.stop()
+
+
+def _wait_state(sbx: Sandbox, wanted: str, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while (state := str(sbx.get_info().state.value)) != wanted:
+        assert time.monotonic() < deadline, f"{sbx.sandbox_id} never became {wanted}: {state}"
+        time.sleep(0.2)
+
+
+def test_auto_resume_on_traffic_and_on_sdk_calls(forkyard_server: ServerProcess) -> None:
+    """E2B's ``lifecycle={"on_timeout": "pause", "auto_resume": True}``: a request to one of the
+    paused sandbox's ports, or an SDK call to its envd, resumes it with the timeout it was created
+    with, counted from the resume; without ``auto_resume`` it stays paused (E2B's suite:
+    test_auto_resume_wakes_on_http_request)."""
+    sbx = Sandbox.create("base", timeout=4, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    plain = Sandbox.create("base", timeout=4, lifecycle={"on_timeout": "pause"})
+    try:
+        sbx.commands.run("python3 -m http.server 8000 >/dev/null 2>&1", background=True)
+        _wait_state(sbx, "paused")
+        _wait_state(plain, "paused")
+        route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        woken = httpx.get(forkyard_server.url + "/", headers=route, timeout=30)
+        assert woken.status_code == 200 and "Directory listing" in woken.text
+        info = sbx.get_info()
+        assert str(info.state.value) == "running"
+        left = (info.end_at - dt.datetime.now(dt.UTC)).total_seconds()
+        assert 0 < left <= 4.5, f"the resumed timeout is the created one (4 s), not {left:.1f} s"
+        _wait_state(sbx, "paused")  # that timeout pauses it again
+        assert sbx.commands.run("echo awake").stdout == "awake\n"  # an SDK call wakes it too
+        stays = {"E2b-Sandbox-Id": plain.sandbox_id, "E2b-Sandbox-Port": "49983"}
+        assert httpx.get(forkyard_server.url + "/health", headers=stays, timeout=30).status_code == 502
+        assert str(plain.get_info().state.value) == "paused"
+    finally:
+        sbx.kill()
+        plain.kill()

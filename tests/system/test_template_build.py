@@ -215,6 +215,19 @@ def test_failing_step_returns_its_logs_in_the_exception(build_server: ServerProc
     assert Template.exists(name) is False
 
 
+def test_a_template_that_is_only_its_base(build_server: ServerProcess) -> None:
+    """E2B's suite builds `Template().from_template("base")` with nothing after it and the cache
+    skipped: nothing runs, and the build is its parent's root (it failed an assertion before)."""
+    name = unique_id("tbonly-")
+    Template.build(Template().from_template("base"), name, skip_cache=True)
+    sbx = Sandbox.create(name)
+    try:
+        assert sbx.commands.run("test -x /usr/bin/python3 && whoami").stdout.strip() == "user"
+    finally:
+        sbx.kill()
+        httpx.delete(f"{build_server.url}/templates/{name}", headers=build_server.headers, timeout=60)
+
+
 def test_bad_input_gets_e2b_errors(build_server: ServerProcess) -> None:
     url, headers = build_server.url, build_server.headers
     bad = httpx.post(f"{url}/v3/templates", json={"name": "no spaces allowed"}, headers=headers)

@@ -63,6 +63,7 @@ sandboxes = Table(
     _json_text("log_offsets"),
     Column("egress", Text),
     Column("auto_pause_memory", Integer, nullable=False, server_default=text("1")),
+    Column("timeout_seconds", Integer, nullable=False, server_default=text("0")),
     Column("node_id", Text, nullable=False, server_default=text("''")),
     Index("sandboxes_state", "state"),
     Index("sandboxes_node_state", "node_id", "state"),
