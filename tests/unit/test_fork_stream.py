@@ -187,7 +187,7 @@ async def test_a_client_that_goes_away_mid_stream_leaks_no_child(server: Server)
         async for line in resp.aiter_lines():
             first = json.loads(line)["sandbox"]["sandboxID"]
             break
-    for _ in range(100):  # the children it was not sent are killed once they are up
+    for _ in range(300):  # the children it was not sent are killed once they are up
         listed = (await server.client.get("/v2/sandboxes", params={"state": "running"})).json()
         alive = {s["sandboxID"] for s in listed} - {parent.sandbox_id}
         if alive == {first}:

@@ -314,7 +314,7 @@ async def test_frozen_sandboxes_past_the_idle_period_move_to_disk(tmp_path: Path
     ):
         rec = await orch.create(request())
         await orch.pause(rec.sandbox_id)
-        for _ in range(100):  # the reaper's policy runs every half second
+        for _ in range(600):  # the reaper's policy runs every half second (30 s: a loaded machine)
             if (await orch.get(rec.sandbox_id)).pause_tier == "disk":
                 break
             await asyncio.sleep(0.05)
@@ -331,7 +331,7 @@ async def test_a_snapshot_restored_twice_gets_standbys_that_creates_claim(tmp_pa
         first = await orch.create(request(snap.snapshot_id))
         second = await orch.create(request(snap.snapshot_id))
         assert (first.origin, second.origin) == ("snapshot", "snapshot")
-        for _ in range(200):
+        for _ in range(3000):  # up to 30 s: standbys come up in the background (slow under load)
             if orch.standbys.pool.ready(snap.snapshot_id) == 2:
                 break
             await asyncio.sleep(0.01)
