@@ -15,7 +15,7 @@ import sys
 import time
 from types import FrameType
 
-from . import PORT
+from . import ENVS_FILE, PORT
 
 logger = logging.getLogger("forkyard.interpreter")
 
@@ -31,6 +31,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=PORT)
     parser.add_argument("--home", default=os.environ.get("HOME") or "/home/user")
+    parser.add_argument("--envs-file", default=ENVS_FILE, help="where envd keeps the sandbox's variables")
     parser.add_argument(
         "--warm", default="python", help="languages whose default context starts with the server"
     )
@@ -51,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
     from .app import create_app
 
     warm = tuple(name for name in args.warm.split(",") if name)
-    app = create_app(args.home, warm)
+    app = create_app(args.home, warm, args.envs_file)
     uvicorn.run(app, host=args.host, port=args.port, http="h11", log_level="warning", access_log=False)
     return 0
 
