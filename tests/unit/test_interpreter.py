@@ -211,7 +211,8 @@ async def test_sandbox_envs_follow_envd_s_file_and_a_kernel_gets_the_new_values(
 
 async def test_output_written_before_a_flush_still_comes_before_the_result(client: httpx.AsyncClient) -> None:
     """Flushes of empty streams return at once (ipython_startup.py); written ones still go out."""
-    lines = await run(client, "import sys\nsys.stdout.write('a')\nsys.stdout.flush()\nsys.stderr.write('b')\n7")
+    code = "import sys\nsys.stdout.write('a')\nsys.stdout.flush()\nsys.stderr.write('b')\n7"
+    lines = await run(client, code)
     assert kinds(lines) == ["number_of_executions", "stdout", "stderr", "result", "end_of_execution"]
     assert [lines[1]["text"], lines[2]["text"], lines[3]["text"]] == ["a", "b", "7"]
     patched = await run(client, "import sys\nsys.stdout.flush.__qualname__, sys.stderr.flush.__qualname__")
