@@ -79,6 +79,16 @@ def __forkyard_flush_only_when_written() -> None:
         stream.flush = flush
 
 
+def __forkyard_debugpy_importable_again() -> None:
+    """The kernel's launcher hid debugpy from ipykernel (kernelspecs/forkyard-python/launch.py);
+    a cell that imports it gets it."""
+    import sys
+
+    if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
+        del sys.modules["debugpy"]
+
+
 __forkyard_register_formats()
 __forkyard_flush_only_when_written()
-del __forkyard_register_formats, __forkyard_flush_only_when_written
+__forkyard_debugpy_importable_again()
+del __forkyard_register_formats, __forkyard_flush_only_when_written, __forkyard_debugpy_importable_again

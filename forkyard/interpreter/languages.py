@@ -102,7 +102,8 @@ def _no_env(envs: dict[str, str]) -> str:
 
 
 LANGUAGES: dict[str, Language] = {
-    "python": Language("python", "python3", _python_set, _PYTHON_RESTORE),
+    # ipykernel without its debugger (kernelspecs/forkyard-python/launch.py).
+    "python": Language("python", "forkyard-python", _python_set, _PYTHON_RESTORE),
     # tslab behind our launcher (tslab_kernel.js): the last expression is the cell's result.
     "javascript": Language("javascript", "forkyard-jslab", _js_set, _JS_RESTORE),
     "typescript": Language("typescript", "forkyard-tslab", _js_set, _JS_RESTORE),

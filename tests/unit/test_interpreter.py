@@ -217,3 +217,16 @@ async def test_output_written_before_a_flush_still_comes_before_the_result(clien
     assert [lines[1]["text"], lines[2]["text"], lines[3]["text"]] == ["a", "b", "7"]
     patched = await run(client, "import sys\nsys.stdout.flush.__qualname__, sys.stderr.flush.__qualname__")
     assert patched[1]["text"].count("__forkyard_flush_only_when_written") == 2, patched
+
+
+async def test_the_python_kernel_runs_without_ipykernel_s_debugger(client: httpx.AsyncClient) -> None:
+    """~100 debugpy/pydevd modules per idle kernel that E2B's SDKs never use; the user can still
+    import debugpy, and the kernel's import path does not hold the launcher's directory."""
+    code = (
+        "import sys\n"
+        "loaded = sorted({m for m in sys.modules if 'pydevd' in m or m.startswith('debugpy')})\n"
+        "import debugpy\n"
+        "(loaded, debugpy.__name__, any('kernelspecs' in p for p in sys.path))"
+    )
+    lines = await run(client, code)
+    assert lines[1] == {"type": "result", "is_main_result": True, "text": "([], 'debugpy', False)"}, lines
