@@ -76,7 +76,7 @@ def __forkyard_flush_only_when_written() -> None:
             if stream._buffers or stream.echo is not None:
                 flush_through_io_thread()
 
-        stream.flush = flush
+        stream.flush = flush  # type: ignore[method-assign]
 
 
 def __forkyard_debugpy_importable_again() -> None:
