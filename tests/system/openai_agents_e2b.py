@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
+from agents.sandbox import Manifest
 from agents.sandbox.capabilities import Shell
 from agents.tool_context import ToolContext
 from e2b_code_interpreter import AsyncSandbox
@@ -33,7 +34,8 @@ async def call_tool(tool: Any, arguments: dict[str, Any]) -> str:
 async def main() -> dict[str, Any]:
     client = E2BSandboxClient()
     options = E2BSandboxClientOptions(sandbox_type="e2b_code_interpreter", timeout=300)
-    session = await client.create(options=options)
+    # The agent's workspace is the code interpreter's working directory: cells and tools share files.
+    session = await client.create(options=options, manifest=Manifest(root="/home/user"))
     out: dict[str, Any] = {}
     async with session:
         sandbox_id = session.state.sandbox_id
@@ -46,9 +48,9 @@ async def main() -> dict[str, Any]:
         shell = Shell()
         shell.bind(session)
         [exec_command] = [t for t in shell.tools() if t.name == "exec_command"]
-        command = "cat /home/user/cell.txt; echo; python3 -c 'print(6 * 7)'"
+        command = "cat cell.txt; echo; python3 -c 'print(6 * 7)'"
         out["tool"] = await call_tool(exec_command, {"cmd": command})
-        out["files_read"] = (await session.read("/home/user/cell.txt")).read().decode()
+        out["files_read"] = (await session.read("cell.txt")).read().decode()
     out["running_after_close"] = await sandbox.is_running()
     if out["running_after_close"]:
         await sandbox.kill()

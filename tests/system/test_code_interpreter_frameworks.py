@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, free_port
 from tests.support.server import ServerProcess, serve
 from tests.system.test_code_interpreter import code_interpreter_missing
 
@@ -37,7 +37,13 @@ def server() -> Iterator[ServerProcess]:
         pytest.skip(reason)
     # The Agents SDK's e2b (2.31.0) accepts only keys shaped like E2B's: "e2b_" and hex.
     api_key = "e2b_" + secrets.token_hex(20)
-    with serve(prefix="forkyard-cifw-", api_key=api_key) as srv, pytest.MonkeyPatch.context() as env:
+    # Its e2b-code-interpreter (2.8.1) reaches port 49999 only at https://49999-<id>.<domain>, as on
+    # E2B's cloud: the node's TLS listener for sandbox names (*.forkyard.localhost resolve to loopback).
+    tls = {"FORKYARD_TLS_PORT": str(free_port())}
+    with (
+        serve(prefix="forkyard-cifw-", api_key=api_key, extra_env=tls) as srv,
+        pytest.MonkeyPatch.context() as env,
+    ):
         for key, value in srv.sdk_env.items():
             env.setenv(key, value)
         yield srv
@@ -101,7 +107,8 @@ def test_openai_agents_sdk_e2b_code_interpreter_sandbox_runs_a_cell(server: Serv
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **server.sdk_env},
+        # The node's CA (and the system's), as a user's program trusts it for sandbox names.
+        env={**os.environ, **server.sdk_env, "SSL_CERT_FILE": str(server.data_dir / "tls" / "ca-bundle.pem")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
