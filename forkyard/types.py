@@ -24,6 +24,12 @@ ENVD_ACCESS_TOKEN_ENV = "FORKYARD_ENVD_ACCESS_TOKEN"
 ENVD_FILES_AS_USER_ENV = "FORKYARD_ENVD_FILES_AS_USER"
 #: The template's final WORKDIR, handed to envd by the runtime: its default directory for commands.
 ENVD_DEFAULT_WORKDIR_ENV = "FORKYARD_ENVD_DEFAULT_WORKDIR"
+#: Set to a path, envd keeps the sandbox's environment variables (``POST /init``'s) in that file
+#: (JSON, rewritten when they change): the code interpreter's server checks it per cell with a
+#: ``stat`` instead of asking envd's ``/envs`` (forkyard/interpreter/contexts.py).
+ENVD_ENVS_FILE_ENV = "FORKYARD_ENVD_ENVS_FILE"
+#: Where the gVisor runtime has envd keep them (the interpreter's ``ENVS_FILE``).
+SANDBOX_ENVS_FILE = "/run/forkyard/envs.json"
 #: The account E2B templates create; envd's default user when a template has it.
 SANDBOX_USER = "user"
 #: envd's ``/init`` field (ours, not E2B's): ``false`` when the sandbox has run on, watched, since

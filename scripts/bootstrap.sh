@@ -98,3 +98,12 @@ if [[ "${1:-}" == "--test" && ( ! -f $harbor_stamp || tests/requirements-harbor.
   .venv-harbor/bin/pip install -q --disable-pip-version-check -r tests/requirements-harbor.txt
   touch "$harbor_stamp"
 fi
+# The OpenAI Agents SDK with its E2B extra (tests/system/test_code_interpreter_frameworks.py): its own
+# venv, as the extra pins older E2B SDKs and the SDK wants websockets<17 (the project pins 17.4).
+agents_stamp=.venv-agents/.forkyard-installed
+if [[ "${1:-}" == "--test" && ( ! -f $agents_stamp || tests/requirements-openai-agents.txt -nt $agents_stamp ) ]]; then
+  echo "bootstrap: installing the OpenAI Agents SDK into .venv-agents"
+  [[ -x .venv-agents/bin/python ]] || "$PY" -m venv .venv-agents
+  .venv-agents/bin/pip install -q --disable-pip-version-check -r tests/requirements-openai-agents.txt
+  touch "$agents_stamp"
+fi

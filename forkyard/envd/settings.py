@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from forkyard.types import (
     ENVD_ACCESS_TOKEN_ENV,
     ENVD_DEFAULT_WORKDIR_ENV,
+    ENVD_ENVS_FILE_ENV,
     ENVD_FILES_AS_USER_ENV,
     ENVD_PORT,
     ENVD_VERSION,
@@ -41,6 +42,9 @@ class EnvdSettings:
     #: Where commands start by default (the template's final WORKDIR); None: the user's home.
     #: ``POST /init``'s ``defaultWorkdir`` replaces it.
     default_workdir: str | None = None
+    #: A file envd keeps the sandbox's environment variables in (``forkyard.types.ENVD_ENVS_FILE_ENV``);
+    #: None: none (envd run on a host).
+    envs_file: str | None = None
 
 
 def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
@@ -73,6 +77,11 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
         default=env.get(ENVD_DEFAULT_WORKDIR_ENV) or None,
         help="default directory of commands (the template's WORKDIR); default: the user's home",
     )
+    parser.add_argument(
+        "--envs-file",
+        default=env.get(ENVD_ENVS_FILE_ENV) or None,
+        help="keep the sandbox's environment variables (POST /init's) in this JSON file",
+    )
     parser.add_argument("--version", action="version", version=ENVD_VERSION)
     args = parser.parse_args(argv)
     return EnvdSettings(
@@ -84,4 +93,5 @@ def parse_settings(argv: list[str] | None = None) -> EnvdSettings:
         stream_buffer_mib=max(1, args.stream_buffer_mib),
         files_as_user=args.files_as_user,
         default_workdir=args.default_workdir,
+        envs_file=args.envs_file,
     )

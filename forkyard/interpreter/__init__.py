@@ -15,3 +15,6 @@ from __future__ import annotations
 
 PORT = 49999
 ENVD_PORT = 49983
+#: Where envd keeps the sandbox's environment variables (``forkyard.types.SANDBOX_ENVS_FILE``: this
+#: package imports nothing of forkyard; a unit test checks the two agree).
+ENVS_FILE = "/run/forkyard/envs.json"

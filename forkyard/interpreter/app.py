@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .contexts import ContextNotFound, Contexts, sandbox_envs
+from . import ENVS_FILE
+from .contexts import ContextNotFound, Contexts, SandboxEnvs
 from .kernels import KernelDied
 from .languages import DEFAULT_LANGUAGE, LANGUAGES, resolve
 
@@ -91,7 +92,8 @@ async def execute(request: Request) -> Response:
         context = contexts.get(context_id)
     else:
         context = await contexts.default(_language(language_name))
-    lines = _stream(context.kernel.run(code, await sandbox_envs(), envs))
+    sandbox_envs = await request.app.state.sandbox_envs.current()
+    lines = _stream(context.kernel.run(code, sandbox_envs, envs))
     return StreamingResponse(lines, media_type="application/x-ndjson")
 
 
@@ -151,7 +153,9 @@ async def _kernel_died(request: Request, exc: Exception) -> Response:
     return error(500, str(exc))
 
 
-def create_app(home: str, warm_languages: tuple[str, ...] = (DEFAULT_LANGUAGE,)) -> Starlette:
+def create_app(
+    home: str, warm_languages: tuple[str, ...] = (DEFAULT_LANGUAGE,), envs_file: str = ENVS_FILE
+) -> Starlette:
     contexts = Contexts(home)
 
     @contextlib.asynccontextmanager
@@ -183,4 +187,5 @@ def create_app(home: str, warm_languages: tuple[str, ...] = (DEFAULT_LANGUAGE,))
         lifespan=lifespan,
     )
     app.state.contexts = contexts
+    app.state.sandbox_envs = SandboxEnvs(envs_file)
     return app

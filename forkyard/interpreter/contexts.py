@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from . import ENVD_PORT
+from . import ENVD_PORT, ENVS_FILE
 from .kernels import Kernel, kernel_env
 from .languages import Language
 
@@ -86,9 +88,43 @@ class Contexts:
         self.by_id.clear()
 
 
-async def sandbox_envs() -> dict[str, str]:
-    """The sandbox's variables as envd holds them (``/envs``, open to loopback): the create's, a
-    resume's or a fork's. {} when envd does not answer (outside a sandbox, in tests)."""
+class SandboxEnvs:
+    """The sandbox's variables (the create's, a resume's or a fork's), for every cell.
+
+    envd keeps them in ``ENVS_FILE`` and rewrites it (a new inode) whenever ``/init`` changes them:
+    a cell costs one ``stat``, and the file is read again only when it changed, e.g. in a sandbox
+    restored from the template's snapshot or forked. Where envd keeps no file (a microVM runtime,
+    an older envd) they are asked from envd's ``/envs`` per cell; {} when envd does not answer
+    (outside a sandbox, in tests)."""
+
+    def __init__(self, path: str = ENVS_FILE) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._envs: dict[str, str] = {}
+
+    async def current(self) -> dict[str, str]:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return await envd_envs()
+        seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if seen != self._seen:
+            try:
+                # A few bytes, read only when envd rewrote them: no thread hop for this.
+                envs = json.loads(Path(self.path).read_bytes())  # noqa: ASYNC240
+            except (OSError, ValueError):
+                return await envd_envs()
+            self._envs = _strings(envs)
+            self._seen = seen
+        return self._envs
+
+
+def _strings(envs: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in envs.items()} if isinstance(envs, dict) else {}
+
+
+async def envd_envs() -> dict[str, str]:
+    """The sandbox's variables as envd's ``/envs`` (open to loopback) answers now."""
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection("127.0.0.1", ENVD_PORT), ENVD_TIMEOUT_S
@@ -107,7 +143,6 @@ async def sandbox_envs() -> dict[str, str]:
         logger.warning("envd's /envs answered %r", head.split(b"\r\n", 1)[0])
         return {}
     try:
-        envs = json.loads(body)
+        return _strings(json.loads(body))
     except ValueError:
         return {}
-    return {str(k): str(v) for k, v in envs.items()} if isinstance(envs, dict) else {}

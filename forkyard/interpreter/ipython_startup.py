@@ -60,5 +60,35 @@ def __forkyard_register_formats() -> None:
         formatters[mime] = ByNameFormatter(printers, parent=shell.display_formatter, format_type=mime)
 
 
+def __forkyard_flush_only_when_written() -> None:
+    """ipykernel flushes stdout and stderr several times per cell (after the cell, before the
+    reply, before going idle), each a round trip to its IOPub thread that waits for it even when
+    nothing was written: under gVisor those six waits were most of a ``1+1`` cell's time. A
+    stream with nothing buffered has nothing to send, so its flush returns at once; a stream with
+    output (or one that is not ipykernel's) flushes as before."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if not hasattr(stream, "_buffers") or not hasattr(stream, "_flush_buffers"):
+            continue  # not ipykernel's OutStream (or another version of it): left alone
+
+        def flush(stream=stream, flush_through_io_thread=stream.flush):  # type: ignore[no-untyped-def]
+            if stream._buffers or stream.echo is not None:
+                flush_through_io_thread()
+
+        stream.flush = flush  # type: ignore[method-assign]
+
+
+def __forkyard_debugpy_importable_again() -> None:
+    """The kernel's launcher hid debugpy from ipykernel (kernelspecs/forkyard-python/launch.py);
+    a cell that imports it gets it."""
+    import sys
+
+    if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
+        del sys.modules["debugpy"]
+
+
 __forkyard_register_formats()
-del __forkyard_register_formats
+__forkyard_flush_only_when_written()
+__forkyard_debugpy_importable_again()
+del __forkyard_register_formats, __forkyard_flush_only_when_written, __forkyard_debugpy_importable_again

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from .languages import Language
@@ -33,6 +34,14 @@ KEEPALIVE_S = 5.0
 #: The execute reply comes with or just after the kernel's idle status.
 REPLY_WAIT_S = 2.0
 STARTUP_FILE = Path(__file__).with_name("ipython_startup.py")
+#: Kernelspecs of ours (tslab's behind tslab_kernel.js), found before the installed ones.
+KERNELSPECS_DIR = Path(__file__).with_name("kernelspecs")
+
+
+def kernel_specs() -> KernelSpecManager:
+    specs = KernelSpecManager()
+    specs.kernel_dirs = [str(KERNELSPECS_DIR), *specs.kernel_dirs]
+    return specs
 
 
 class KernelDied(RuntimeError):
@@ -44,11 +53,14 @@ class Kernel:
         self.language = language
         self.cwd = cwd
         self.env = env
-        self.manager = AsyncKernelManager(kernel_name=language.kernel)
+        self.manager = self._manager()
         self.client: Any = None
         self.lock = asyncio.Lock()
         #: The sandbox-level variables this kernel holds now (see :meth:`apply_sandbox_envs`).
         self.applied_envs: dict[str, str] = {}
+
+    def _manager(self) -> AsyncKernelManager:
+        return AsyncKernelManager(kernel_name=self.language.kernel, kernel_spec_manager=kernel_specs())
 
     async def start(self) -> None:
         extra: list[str] = []
@@ -72,7 +84,7 @@ class Kernel:
     async def restart(self) -> None:
         """A fresh kernel (state gone), same language and working directory."""
         await self.shutdown()
-        self.manager = AsyncKernelManager(kernel_name=self.language.kernel)
+        self.manager = self._manager()
         await self.start()
 
     async def ensure_alive(self) -> None:
@@ -88,8 +100,8 @@ class Kernel:
         await self._drain(msg_id, INTERRUPT_GRACE_S)
 
     async def apply_sandbox_envs(self, envs: dict[str, str]) -> None:
-        """The sandbox's variables (``Sandbox.create(envs=...)``, read from envd per request: a
-        restored or forked kernel gets the new sandbox's) become the kernel's own."""
+        """The sandbox's variables (``Sandbox.create(envs=...)``, :class:`~.contexts.SandboxEnvs`:
+        a restored or forked kernel gets the new sandbox's) become the kernel's own."""
         changed = {k: v for k, v in envs.items() if self.applied_envs.get(k) != v}
         if changed:
             await self.run_silently(self.language.set_env(changed))

@@ -17,7 +17,8 @@ class EnvCode(Protocol):
 @dataclass(frozen=True)
 class Language:
     name: str
-    #: The kernelspec jupyter_client starts (``jupyter kernelspec list`` inside the template).
+    #: The kernelspec jupyter_client starts: ours (``kernelspecs/``) or the template's
+    #: (``jupyter kernelspec list`` inside it).
     kernel: str
     #: Code that sets ``envs`` and remembers what each variable was (restored by ``restore_env``).
     set_env: EnvCode
@@ -101,9 +102,11 @@ def _no_env(envs: dict[str, str]) -> str:
 
 
 LANGUAGES: dict[str, Language] = {
-    "python": Language("python", "python3", _python_set, _PYTHON_RESTORE),
-    "javascript": Language("javascript", "jslab", _js_set, _JS_RESTORE),
-    "typescript": Language("typescript", "tslab", _js_set, _JS_RESTORE),
+    # ipykernel without its debugger (kernelspecs/forkyard-python/launch.py).
+    "python": Language("python", "forkyard-python", _python_set, _PYTHON_RESTORE),
+    # tslab behind our launcher (tslab_kernel.js): the last expression is the cell's result.
+    "javascript": Language("javascript", "forkyard-jslab", _js_set, _JS_RESTORE),
+    "typescript": Language("typescript", "forkyard-tslab", _js_set, _JS_RESTORE),
     "bash": Language("bash", "bash", _bash_set, _BASH_RESTORE),
     "r": Language("r", "ir", _r_set, _R_RESTORE, displays_are_results=True),
     "java": Language("java", "java", _no_env, ""),

@@ -4,9 +4,9 @@ A build of the template builder (:mod:`forkyard.orchestrator.builder`) from ``ba
 (ipykernel, tslab's JavaScript and TypeScript kernels, bash_kernel, Debian's IRkernel, JJava on
 Debian's JDK), the data-science stack of E2B's template, and our code-execution server
 (:mod:`forkyard.interpreter`, copied in alone) as the start command, kept running by its
-supervisor. The template's snapshot is taken with the server and a warm Python kernel running, so
-a create restores them. Each step is cached (the builder's step layers): a rebuild after a change
-of the server's code only repeats the last steps.
+supervisor (``supervise.sh``, a shell loop). The template's snapshot is taken with the server and a
+warm Python kernel running, so a create restores them. Each step is cached (the builder's step
+layers): a rebuild after a change of the server's code only repeats the last steps.
 
 A host behind a TLS-inspecting proxy trusts CAs of its own (``/usr/local/share/ca-certificates``):
 they are copied into the template too, or nothing in it could reach PyPI and npm.
@@ -100,7 +100,7 @@ _CERTS = (
 )
 _CHECK = "jupyter kernelspec list && node --version && R --version | head -1 && java -version"
 _USER_SITE = 'mkdir -p "$(python3 -m site --user-site)"'
-START_CMD = f"cd {SERVER_DIR} && exec python3 -m interpreter supervise >> /tmp/forkyard-interpreter.log 2>&1"
+START_CMD = f"exec sh {SERVER_DIR}/interpreter/supervise.sh >> /tmp/forkyard-interpreter.log 2>&1"
 READY_CMD = f"curl -sf http://127.0.0.1:{INTERPRETER_PORT}/health"
 
 

@@ -41,6 +41,8 @@ try {
   out.listedAfterRemove = (await sbx.listCodeContexts()).some((c) => c.id === ctx.id)
   const js = await sbx.runCode("const answer = await Promise.resolve(41); console.log(answer + 1)", { language: 'js' })
   out.js = js.logs.stdout.join('').trim()
+  const jsValue = await sbx.runCode('1+1', { language: 'js' })
+  out.jsValue = { text: jsValue.text, main: jsValue.results.map((r) => r.isMainResult), stdout: jsValue.logs.stdout }
   const ts = await sbx.runCode('const t: number = 2;\nconsole.log(t * 21)', { language: 'ts' })
   out.ts = ts.logs.stdout.join('').trim()
   const bash = await sbx.runCode('echo bash-$((40+2))', { language: 'bash' })

@@ -229,10 +229,30 @@ def test_each_language_runs_and_keeps_state(sbx: Sandbox, language: str, code: s
 def test_javascript_results_and_esm_import(sbx: Sandbox) -> None:
     execution = sbx.run_code("import { join } from 'node:path';\nconst p = join('a', 'b');\np", language="js")
     assert execution.error is None, execution.error
-    # tslab prints a cell's last value on stdout (it sends no execute result)
-    assert "a/b" in "".join(execution.logs.stdout)
+    assert execution.text == "a/b" and execution.logs.stdout == []  # E2B's: the value, not a print
     failed = sbx.run_code("throw new Error('js failure')", language="javascript")
     assert failed.error is not None and "js failure" in failed.error.value
+    after = sbx.run_code("p", language="js")  # at once after a failure (tslab aborted for 200 ms)
+    assert after.error is None and after.text == "a/b", after
+
+
+def test_js_and_ts_last_expression_is_the_main_result_with_a_count(sbx: Sandbox) -> None:
+    """As E2B's ``run_code("1+1", language="js")``: ``results[0]`` is the main result, ``text`` "2"."""
+    one = sbx.run_code("1+1", language="js")
+    assert [(r.is_main_result, r.text) for r in one.results] == [(True, "2")] and one.logs.stdout == []
+    two = sbx.run_code("1+2", language="js")
+    assert isinstance(one.execution_count, int) and two.execution_count == one.execution_count + 1
+    subtract = "function sub(x: number, y: number): number {\n  return x - y\n}\nsub(1, 2)"
+    typed = sbx.run_code(subtract, language="ts")
+    assert typed.text == "-1", typed
+    awaited = sbx.run_code("async function hello() { return 'Hello' }\nawait hello()", language="ts")
+    assert awaited.text == "Hello", awaited  # strings as console.log shows them (E2B's too)
+    shown = sbx.run_code(
+        "({ [Symbol.for('Jupyter.display')]() { return {'text/plain': 'hi', 'text/html': '<b>hi</b>'} } })",
+        language="js",
+    )
+    assert shown.results[0].html == "<b>hi</b>" and shown.text == "hi", shown
+    assert sbx.run_code("const nothing = 1", language="js").results == []
 
 
 def test_r_and_bash_state_persists(sbx: Sandbox) -> None:

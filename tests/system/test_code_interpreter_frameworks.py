@@ -3,19 +3,27 @@
 
 smolagents' ``E2BExecutor``: ``!pip install`` of a wheel (made here, uploaded into the sandbox),
 the package imported and printed in the next cell, variables sent, and ``final_answer`` ending the
-run as its executor detects it (an error of its own name through the protocol)."""
+run as its executor detects it (an error of its own name through the protocol).
+
+The OpenAI Agents SDK's E2B sandbox (``openai-agents[e2b]``, in its own venv: its extra pins older
+E2B SDKs and websockets<17): tests/system/openai_agents_e2b.py, see there."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import io
+import json
 import logging
+import os
+import secrets
+import subprocess
 import zipfile
 from collections.abc import Iterator
 
 import pytest
 
+from tests.support import REPO, free_port
 from tests.support.server import ServerProcess, serve
 from tests.system.test_code_interpreter import code_interpreter_missing
 
@@ -27,7 +35,15 @@ def server() -> Iterator[ServerProcess]:
     reason = code_interpreter_missing()
     if reason:
         pytest.skip(reason)
-    with serve(prefix="forkyard-cifw-") as srv, pytest.MonkeyPatch.context() as env:
+    # The Agents SDK's e2b (2.31.0) accepts only keys shaped like E2B's: "e2b_" and hex.
+    api_key = "e2b_" + secrets.token_hex(20)
+    # Its e2b-code-interpreter (2.8.1) reaches port 49999 only at https://49999-<id>.<domain>, as on
+    # E2B's cloud: the node's TLS listener for sandbox names (*.forkyard.localhost resolve to loopback).
+    tls = {"FORKYARD_TLS_PORT": str(free_port())}
+    with (
+        serve(prefix="forkyard-cifw-", api_key=api_key, extra_env=tls) as srv,
+        pytest.MonkeyPatch.context() as env,
+    ):
         for key, value in srv.sdk_env.items():
             env.setenv(key, value)
         yield srv
@@ -75,3 +91,30 @@ def test_smolagents_e2b_executor(server: ServerProcess) -> None:
     finally:
         executor.cleanup()
     logging.getLogger(__name__).info("smolagents ran on %s", server.url)
+
+
+AGENTS_PYTHON = REPO / ".venv-agents" / "bin" / "python"
+
+
+def test_openai_agents_sdk_e2b_code_interpreter_sandbox_runs_a_cell(server: ServerProcess) -> None:
+    """``E2BSandboxClient`` with ``sandbox_type="e2b_code_interpreter"``: the sandbox it creates is
+    a ``code-interpreter-v1`` one, a cell runs in it, and the agent's ``exec_command`` tool and the
+    session's file read see what the cell wrote; closing the session kills the sandbox."""
+    if not AGENTS_PYTHON.exists():
+        pytest.fail(f"{AGENTS_PYTHON} is missing (scripts/bootstrap.sh --test installs the Agents SDK)")
+    proc = subprocess.run(
+        [str(AGENTS_PYTHON), str(REPO / "tests" / "system" / "openai_agents_e2b.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # The node's CA (and the system's), as a user's program trusts it for sandbox names.
+        env={**os.environ, **server.sdk_env, "SSL_CERT_FILE": str(server.data_dir / "tls" / "ca-bundle.pem")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["template"] == "code-interpreter-v1"
+    assert out["cell"] == {"text": "42", "error": None}
+    assert out["cell_cwd"] == "'/home/user'"
+    assert "Process exited with code 0" in out["tool"] and out["tool"].rstrip().endswith("42\n42"), out
+    assert out["files_read"] == "42"
+    assert out["running_after_close"] is False

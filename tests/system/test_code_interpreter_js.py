@@ -48,5 +48,6 @@ def test_js_code_interpreter_sdk(server: ServerProcess) -> None:
     assert out["context"] == {"language": "python", "cwd": "/tmp"} and out["contextCwd"] == "'/tmp'"
     assert out["listed"] is True and out["listedAfterRemove"] is False
     assert out["js"] == "42" and out["ts"] == "42" and out["bash"] == "bash-42"
+    assert out["jsValue"] == {"text": "2", "main": [True], "stdout": []}  # E2B's: the value is the result
     assert out["timeout"] == "TimeoutError"
     assert out["afterTimeout"] == "'during'"

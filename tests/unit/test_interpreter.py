@@ -173,3 +173,60 @@ def test_an_error_only_in_the_reply_takes_its_name_and_value_from_stderr() -> No
     assert line == {"type": "error", "name": "Error", "value": "js failure", "traceback": stderr}
     named = outputs.reply_error_line({"status": "error", "ename": "E", "evalue": "v", "traceback": ["t"]}, "")
     assert named == {"type": "error", "name": "E", "value": "v", "traceback": "t"}
+
+
+def test_the_envs_file_is_where_the_runtime_has_envd_keep_it() -> None:
+    from forkyard.interpreter import ENVS_FILE
+    from forkyard.types import SANDBOX_ENVS_FILE
+
+    assert ENVS_FILE == SANDBOX_ENVS_FILE  # the interpreter imports nothing of forkyard: two constants
+
+
+async def test_sandbox_envs_follow_envd_s_file_and_a_kernel_gets_the_new_values(tmp_path: Any) -> None:
+    """envd's ``/init`` rewrites the file (a create after a restore, a fork); the server reads it
+    again only then and the next cell sees the new values."""
+    from forkyard.envd.state import EnvdState
+    from forkyard.interpreter.contexts import SandboxEnvs
+
+    envs_file = tmp_path / "run" / "envs.json"
+    envd = EnvdState(envs_file=str(envs_file))
+    envd.publish_env_vars()
+    assert json.loads(envs_file.read_text()) == {} and oct(envs_file.stat().st_mode & 0o777) == "0o644"
+    cached = SandboxEnvs(str(envs_file))
+    assert await cached.current() == {}
+    envd.set_env_vars({"FY_LEVEL": "create"})
+    assert await cached.current() == {"FY_LEVEL": "create"}
+    before = envs_file.stat().st_ino
+    envd.set_env_vars({"FY_LEVEL": "create"})  # unchanged: not rewritten
+    assert envs_file.stat().st_ino == before
+    app = create_app(str(tmp_path), envs_file=str(envs_file))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://interpreter") as client:
+            code = "import os; os.environ.get('FY_LEVEL')"
+            assert (await run(client, code))[1]["text"] == "'create'"
+            envd.set_env_vars({"FY_LEVEL": "fork"})
+            assert (await run(client, code))[1]["text"] == "'fork'"
+
+
+async def test_output_written_before_a_flush_still_comes_before_the_result(client: httpx.AsyncClient) -> None:
+    """Flushes of empty streams return at once (ipython_startup.py); written ones still go out."""
+    code = "import sys\nsys.stdout.write('a')\nsys.stdout.flush()\nsys.stderr.write('b')\n7"
+    lines = await run(client, code)
+    assert kinds(lines) == ["number_of_executions", "stdout", "stderr", "result", "end_of_execution"]
+    assert [lines[1]["text"], lines[2]["text"], lines[3]["text"]] == ["a", "b", "7"]
+    patched = await run(client, "import sys\nsys.stdout.flush.__qualname__, sys.stderr.flush.__qualname__")
+    assert patched[1]["text"].count("__forkyard_flush_only_when_written") == 2, patched
+
+
+async def test_the_python_kernel_runs_without_ipykernel_s_debugger(client: httpx.AsyncClient) -> None:
+    """~100 debugpy/pydevd modules per idle kernel that E2B's SDKs never use; the user can still
+    import debugpy, and the kernel's import path does not hold the launcher's directory."""
+    code = (
+        "import sys\n"
+        "loaded = sorted({m for m in sys.modules if 'pydevd' in m or m.startswith('debugpy')})\n"
+        "import debugpy\n"
+        "(loaded, debugpy.__name__, any('kernelspecs' in p for p in sys.path))"
+    )
+    lines = await run(client, code)
+    assert lines[1] == {"type": "result", "is_main_result": True, "text": "([], 'debugpy', False)"}, lines

@@ -113,7 +113,7 @@ async def init(request: Request) -> Response:
         if request.app.state.sync_clock:
             sync_clock(host_time.timestamp())
     if env_vars:
-        state.env_vars.update(env_vars)
+        state.set_env_vars(env_vars)
     if body.get("accessToken"):
         state.access_token = body["accessToken"]
     if body.get("defaultUser"):
@@ -169,7 +169,12 @@ async def get_metrics(request: Request) -> Response:
 
 
 def create_app(settings: EnvdSettings) -> Starlette:
-    state = EnvdState(access_token=settings.access_token, default_workdir=settings.default_workdir)
+    state = EnvdState(
+        access_token=settings.access_token,
+        default_workdir=settings.default_workdir,
+        envs_file=settings.envs_file,
+    )
+    state.publish_env_vars()  # none yet: readers find the file from the start
     fsaccess.configure(as_the_user=settings.files_as_user)
     spawner = Spawner()
     table = ProcessTable(spawner, stream_buffer_bytes=settings.stream_buffer_mib * 1024 * 1024)

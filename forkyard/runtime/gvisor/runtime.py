@@ -45,8 +45,10 @@ from forkyard.storage.envd_bundle import (
 from forkyard.types import (
     ENVD_ACCESS_TOKEN_ENV,
     ENVD_DEFAULT_WORKDIR_ENV,
+    ENVD_ENVS_FILE_ENV,
     ENVD_FILES_AS_USER_ENV,
     ENVD_PORT,
+    SANDBOX_ENVS_FILE,
     LiveSnapshots,
     RuntimeName,
     SandboxInstance,
@@ -300,6 +302,7 @@ class GvisorRuntime(Runtime):
             env[ENVD_DEFAULT_WORKDIR_ENV] = tpl.workdir
         if self.settings.envd_files_as_user:
             env[ENVD_FILES_AS_USER_ENV] = "1"
+        env[ENVD_ENVS_FILE_ENV] = SANDBOX_ENVS_FILE
         caps = list(CAPABILITIES)
         return {
             "ociVersion": "1.0.2",
