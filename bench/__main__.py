@@ -132,6 +132,7 @@ BENCHMARKS = (
     "s3",
     "rl",
     "fork_stream",
+    "fork_cpu",
     "cluster",
     "fork_spill",
     "code_interpreter",
@@ -220,6 +221,12 @@ def main() -> None:
 
         # Fork 16 -> first / all answering: E2B's fork call against the streaming shapes (issue 26).
         attempt("fork_stream", lambda: fork_stream.run(args.runs))
+
+    if "fork_cpu" in wanted:
+        from bench import fork_cpu
+
+        # Host CPU seconds and processes per forked child, by component (issue 26, part 3).
+        attempt("fork_cpu", lambda: fork_cpu.run(args.runs))
 
     if "cluster" in wanted:
         from bench import cluster
