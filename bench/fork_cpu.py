@@ -73,7 +73,9 @@ def _sandbox_cpu(sandbox_id: str) -> float:
         return float("nan")
 
 
-async def _round(server: ServerProcess, parent: Any, out: Path) -> dict[str, Any]:
+async def _round(server: ServerProcess, parent: Any, out: Path, profile: bool) -> dict[str, Any]:
+    if profile:  # FORKYARD_BENCH_CPU_PROFILE: a cProfile of the server's event loop over this round
+        server.proc.send_signal(signal.SIGUSR1)
     before = _accounts(server, out)
     start = time.perf_counter()
     children = []
@@ -89,6 +91,8 @@ async def _round(server: ServerProcess, parent: Any, out: Path) -> dict[str, Any
     await bounded(COUNT, [lambda c=c: kill_quietly(c) for c in children])
     await asyncio.sleep(SETTLE_SECONDS)
     down = _accounts(server, out)
+    if profile:
+        server.proc.send_signal(signal.SIGUSR1)
     return {
         "first_s": first,
         "all_s": last,
@@ -134,7 +138,8 @@ async def _measure(server: ServerProcess, out: Path, runs: int) -> dict[str, Any
         await asyncio.sleep(SETTLE_SECONDS)
         rounds = []
         for i in range(runs):
-            rounds.append(await _round(server, parent, out))
+            profile = bool(os.environ.get("FORKYARD_BENCH_CPU_PROFILE")) and i == runs - 1
+            rounds.append(await _round(server, parent, out, profile))
             print(f"fork_cpu bench: round {i}: all {rounds[-1]['all_s']:.2f} s", flush=True)
     finally:
         await kill_quietly(parent)
@@ -150,7 +155,11 @@ async def _measure(server: ServerProcess, out: Path, runs: int) -> dict[str, Any
 
 def run(runs: int = 0) -> dict[str, Any]:
     out = Path(f"/tmp/forkyard-cpu-account-{os.getpid()}.json")
-    env = {"FORKYARD_BENCH_CPU_ACCOUNT": str(out), "PYTHONPATH": str(ACCOUNTING)}
+    env = {
+        "FORKYARD_BENCH_CPU_ACCOUNT": str(out),
+        "FORKYARD_BENCH_CPU_PROFILE": os.environ.get("FORKYARD_BENCH_CPU_PROFILE", ""),
+        "PYTHONPATH": str(ACCOUNTING),
+    }
     try:
         with serve(extra_env=env) as server:
             return asyncio.run(_measure(server, out, _runs()))

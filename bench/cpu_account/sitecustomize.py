@@ -71,6 +71,23 @@ def _install() -> None:
             json.dump(payload, f)
         os.replace(tmp, _OUT)
 
+    profile_path = os.environ.get("FORKYARD_BENCH_CPU_PROFILE", "")
+    profiler: list[Any] = []
+
+    def toggle_profile(signum: int, frame: object) -> None:
+        """SIGUSR1: start a cProfile of the main thread (the event loop), or stop it and write it."""
+        import cProfile
+
+        if profiler:
+            done = profiler.pop()
+            done.disable()
+            done.dump_stats(profile_path)
+            return
+        profiler.append(cProfile.Profile())
+        profiler[0].enable()
+
+    if profile_path:
+        signal.signal(signal.SIGUSR1, toggle_profile)
     subprocess.Popen._execute_child = recording_execute_child  # type: ignore[attr-defined]
     os.waitpid = accounting_waitpid
     signal.signal(signal.SIGUSR2, dump)
