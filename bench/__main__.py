@@ -131,6 +131,7 @@ BENCHMARKS = (
     "microvm",
     "s3",
     "rl",
+    "rl_swe",
     "fork_stream",
     "fork_cpu",
     "cluster",
@@ -216,6 +217,11 @@ def main() -> None:
 
         # rl starts its own server (production settings); its rollout count is its own setting.
         attempt("rl", lambda: rl.run(args.runs))
+    if "rl_swe" in wanted:
+        from bench import rl_swe
+
+        # SWE-style rollouts (a repository, a wheelhouse install, patch + tests): fork vs fresh (issue 26).
+        attempt("rl_swe", lambda: rl_swe.run(args.runs))
     if "fork_stream" in wanted:
         from bench import fork_stream
 
