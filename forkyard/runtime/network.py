@@ -12,7 +12,7 @@ envd at ``sandbox_ip:49983`` through the host side of the link.
 Slots index /30 blocks of ``settings.sandbox_subnet`` (slot n: host .4n+1, sandbox .4n+2). A
 slot is claimed by creating ``{data_dir}/net/slot-<n>`` with O_EXCL (atomic across threads and
 processes); the claim is skipped when the interface name already exists on the host (another
-data directory on the same machine) and retried when ``ip link add`` loses a race.
+data directory on the same machine) and retried when the veth's creation loses a race.
 
 Filtering, in chain ``FORKYARD`` (jumped to from INPUT for ``aeh+`` and from FORWARD) with one
 group of rules per sandbox, tagged ``ae-<sandbox_id>`` for removal:
@@ -658,7 +658,7 @@ def _enable_ip_forward() -> None:
 
 
 class _NetnsExists(NetworkError):
-    """``ip netns add`` failed: the namespace is not ours to remove."""
+    """Making the netns failed: a namespace of that name exists and is not ours to remove."""
 
 
 async def setup_network(

@@ -290,7 +290,7 @@ async def restore_container(
     The link must carry the sandbox address again first (runsc took it off the link into the
     saved netstack): the address of the slot the restored sandbox now has, which is what lets a
     fork child live at its own address. A network just made for this restore (``fresh_network``:
-    a fork child, a create from a snapshot) carries it already: no second ``ip`` process."""
+    a fork child, a create from a snapshot) carries it already: it is not set twice."""
     if not fresh_network:
         await network.readdress(net)
     await runsc.start(paths, image=image)
