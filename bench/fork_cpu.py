@@ -40,6 +40,34 @@ PREPARE = (
 )
 
 
+#: The parent's processes and threads, as the guest sees them.
+GUEST_TASKS = (
+    "ls /proc | grep -c '^[0-9]'; grep -h ^Threads /proc/[0-9]*/status | awk '{s += $2} END {print s}'"
+)
+
+
+def _prepare() -> str:
+    """The parent's preparation (``FORKYARD_BENCH_FORK_CPU_PREPARE`` replaces it: restore cost against
+    what the sandbox holds)."""
+    return os.environ.get("FORKYARD_BENCH_FORK_CPU_PREPARE") or PREPARE
+
+
+def _parent_size(sandbox_id: str) -> dict[str, int]:
+    """What the parent holds at its fork: memory (cgroup), host processes and threads of its sandbox."""
+    size = {}
+    for key, path in (
+        ("memory_bytes", Path("/sys/fs/cgroup/memory/forkyard") / sandbox_id / "memory.usage_in_bytes"),
+        ("host_processes", CPUACCT / sandbox_id / "cgroup.procs"),
+        ("host_threads", CPUACCT / sandbox_id / "tasks"),
+    ):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        size[key] = int(text) if key == "memory_bytes" else len(text.split())
+    return size
+
+
 def _runs() -> int:
     return max(1, int(os.environ.get("FORKYARD_BENCH_FORK_CPU_RUNS", "3")))
 
@@ -134,8 +162,10 @@ async def _measure(server: ServerProcess, out: Path, runs: int) -> dict[str, Any
     conn = Connection(api_key=server.api_key, api_url=server.url, sandbox_url=server.url, request_timeout=300)
     parent = await AsyncSandbox.create("base", timeout=3600, **conn.opts())
     try:
-        await parent.commands.run(PREPARE)
+        await parent.commands.run(_prepare(), timeout=300)
         await asyncio.sleep(SETTLE_SECONDS)
+        guest = await parent.commands.run(GUEST_TASKS)
+        size = {**_parent_size(parent.sandbox_id), "guest": guest.stdout.split()}
         rounds = []
         for i in range(runs):
             profile = bool(os.environ.get("FORKYARD_BENCH_CPU_PROFILE")) and i == runs - 1
@@ -146,6 +176,8 @@ async def _measure(server: ServerProcess, out: Path, runs: int) -> dict[str, Any
     return {
         "count": COUNT,
         "rounds": runs,
+        "prepare": _prepare(),
+        "parent": size,
         "per_child": _per_child(rounds),
         "first_answering_s": [round(r["first_s"], 3) for r in rounds],
         "all_answering_s": [round(r["all_s"], 3) for r in rounds],
