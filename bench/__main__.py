@@ -131,7 +131,9 @@ BENCHMARKS = (
     "microvm",
     "s3",
     "rl",
+    "rl_swe",
     "fork_stream",
+    "fork_cpu",
     "cluster",
     "fork_spill",
     "code_interpreter",
@@ -215,11 +217,22 @@ def main() -> None:
 
         # rl starts its own server (production settings); its rollout count is its own setting.
         attempt("rl", lambda: rl.run(args.runs))
+    if "rl_swe" in wanted:
+        from bench import rl_swe
+
+        # SWE-style rollouts (a repository, a wheelhouse install, patch + tests): fork vs fresh (issue 26).
+        attempt("rl_swe", lambda: rl_swe.run(args.runs))
     if "fork_stream" in wanted:
         from bench import fork_stream
 
         # Fork 16 -> first / all answering: E2B's fork call against the streaming shapes (issue 26).
         attempt("fork_stream", lambda: fork_stream.run(args.runs))
+
+    if "fork_cpu" in wanted:
+        from bench import fork_cpu
+
+        # Host CPU seconds and processes per forked child, by component (issue 26, part 3).
+        attempt("fork_cpu", lambda: fork_cpu.run(args.runs))
 
     if "cluster" in wanted:
         from bench import cluster

@@ -12,7 +12,7 @@ envd at ``sandbox_ip:49983`` through the host side of the link.
 Slots index /30 blocks of ``settings.sandbox_subnet`` (slot n: host .4n+1, sandbox .4n+2). A
 slot is claimed by creating ``{data_dir}/net/slot-<n>`` with O_EXCL (atomic across threads and
 processes); the claim is skipped when the interface name already exists on the host (another
-data directory on the same machine) and retried when ``ip link add`` loses a race.
+data directory on the same machine) and retried when the veth's creation loses a race.
 
 Filtering, in chain ``FORKYARD`` (jumped to from INPUT for ``aeh+`` and from FORWARD) with one
 group of rules per sandbox, tagged ``ae-<sandbox_id>`` for removal:
@@ -50,11 +50,12 @@ the host side. A policy change replaces the chain's rules in one ``iptables-rest
 (declaring an existing chain flushes it in the same transaction), so no packet sees a half-made
 policy; connections already open stay open (replies match rule one of ``FORKYARD``), as in E2B.
 
-Cost: creates, restores and kills run this for every sandbox, often many at once, so each step
-is batched: a setup is one ``ip -batch`` on the host (netns, veth, host address), one in the
-netns (sandbox address, links up, route) and one ``iptables-restore --noflush`` with all its
-rules; a teardown is one ``iptables-restore`` (``-D`` lines) and one ``ip -batch``. Rule changes
-of concurrent setups and teardowns in one process share a restore (``_RestoreQueue``).
+Cost: creates, restores and kills run this for every sandbox, often many at once (a fork of
+16), so no step starts a process it can do without: the netns, the veth pair, addresses, links
+and routes are made and removed from this process (netlink through pyroute2, the namespace's own
+system calls: :mod:`forkyard.runtime.netlink`), and the rules of a setup or teardown are one
+``iptables-restore --noflush`` shared by the concurrent setups and teardowns of this process
+(``_RestoreQueue``).
 
 Snapshot/restore: a checkpointed gVisor sandbox was addressed by its slot. Two ways to live with
 that were on the table: (a) one fixed address inside every netns, each sandbox reached through
@@ -74,22 +75,27 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
+import logging
 import os
 import re
 import socket
 import subprocess
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import psutil
 
 from forkyard.config import Settings
 from forkyard.errors import Failed, Invalid, Unavailable
-from forkyard.runtime import egress_proxy
+from forkyard.runtime import egress_proxy, netlink
 from forkyard.storage.atomic import exclusive
 from forkyard.types import EgressPolicy
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NETNS_PREFIX = "ae-"
 HOST_IF_PREFIX = "aeh"
@@ -349,32 +355,6 @@ async def run(*cmd: str, check: bool = True, input: str | None = None) -> tuple[
     if check and proc.returncode != 0:
         raise NetworkError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {text}")
     return proc.returncode or 0, text
-
-
-@dataclass(frozen=True)
-class _BatchResult:
-    code: int
-    output: str
-    #: Index of the line ``ip`` stopped at (it stops at the first failure unless forced).
-    failed: int | None
-
-
-async def _ip_batch(lines: list[str], *, netns: str | None = None, force: bool = False) -> _BatchResult:
-    """Run ``ip`` commands (one per line, without the leading ``ip``) in one process, inside
-    ``netns`` if given; ``force`` goes on past failures."""
-    cmd = ["ip", *(["-n", netns] if netns else []), *(["-force"] if force else []), "-batch", "-"]
-    code, out = await run(*cmd, check=False, input="".join(line + "\n" for line in lines))
-    failed = None
-    if code != 0:
-        found = re.findall(r"^Command failed -:(\d+)$", out, re.M)
-        failed = int(found[0]) - 1 if found else None
-    return _BatchResult(code, out, failed)
-
-
-def _batch_error(result: _BatchResult, lines: list[str], netns: str | None = None) -> NetworkError:
-    where = f"-n {netns} " if netns else ""
-    what = lines[result.failed] if result.failed is not None and result.failed < len(lines) else "-batch"
-    return NetworkError(f"ip {where}{what} failed (exit {result.code}): {result.output}")
 
 
 #: iptables-restore input: table -> lines (``-A``/``-D``/``-C`` commands), one commit per table.
@@ -678,7 +658,7 @@ def _enable_ip_forward() -> None:
 
 
 class _NetnsExists(NetworkError):
-    """``ip netns add`` failed: the namespace is not ours to remove."""
+    """Making the netns failed: a namespace of that name exists and is not ours to remove."""
 
 
 async def setup_network(
@@ -686,8 +666,8 @@ async def setup_network(
 ) -> SandboxNetwork:
     """Create the netns, link and filter rules of ``sandbox_id``; on failure nothing is left.
 
-    Three processes: ``ip -batch`` on the host, ``ip -batch`` in the netns, ``iptables-restore``
-    (shared with concurrent setups and teardowns)."""
+    One process: ``iptables-restore`` (shared with concurrent setups and teardowns); the rest is
+    netlink from this process."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,60}", sandbox_id):
         raise Invalid(f"invalid sandbox id {sandbox_id!r}")
     netns = netns_name(sandbox_id)
@@ -723,59 +703,72 @@ async def setup_network(
     return net
 
 
+async def _off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn`` (blocking netlink, :mod:`forkyard.runtime.netlink`) in a worker thread. A cancelled
+    caller still waits for it to end: its cleanup must see what the call made."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await work
+        raise
+
+
 async def _create_link(settings: Settings, net: SandboxNetwork, *, add_netns: bool) -> SandboxNetwork | None:
     """The netns (unless it is there already), the veth pair and the host side's address; None
     when another data directory took the interface name first (the slot is released)."""
-    lines = [f"netns add {net.netns}"] if add_netns else []
-    link = len(lines)
-    lines += [
-        f"link add {net.host_if} type veth peer name {net.sandbox_if} netns {net.netns}",
-        f"addr add {net.host_ip}/{net.prefixlen} dev {net.host_if}",
-        f"link set {net.host_if} up",
-    ]
-    result = await _ip_batch(lines)
-    if result.code == 0:
-        return net
-    if result.failed is None or result.failed > link:
-        raise _batch_error(result, lines)  # the veth may be there: the caller cleans up
-    _release_slot(settings, net.slot)
-    if result.failed < link:
-        raise _NetnsExists(_batch_error(result, lines).message)
-    if "exists" in result.output:
+    if add_netns:
+        try:
+            await _off_loop(netlink.create_netns, net.netns)
+        except FileExistsError as exc:
+            _release_slot(settings, net.slot)
+            raise _NetnsExists(f"netns add {net.netns}: the network namespace exists") from exc
+        except Exception as exc:
+            _release_slot(settings, net.slot)
+            raise NetworkError(f"creating network namespace {net.netns} failed: {exc}") from exc
+    try:
+        await _off_loop(netlink.add_veth, net.host_if, net.sandbox_if, net.netns, net.host_ip, net.prefixlen)
+    except netlink.LinkExists:
+        _release_slot(settings, net.slot)
         return None
-    raise _batch_error(result, lines)
+    except Exception as exc:  # what was made is the caller's to tear down (the slot names it)
+        raise NetworkError(f"creating link {net.host_if} of {net.netns} failed: {exc}") from exc
+    return net
+
+
+async def _address_sandbox_side(net: SandboxNetwork, *, replace: bool) -> None:
+    try:
+        await _off_loop(
+            netlink.address_sandbox_side,
+            net.netns,
+            net.sandbox_if,
+            net.sandbox_ip,
+            net.prefixlen,
+            net.host_ip,
+            replace=replace,
+        )
+    except Exception as exc:
+        raise NetworkError(f"addressing {net.sandbox_if} in {net.netns} failed: {exc}") from exc
 
 
 async def _configure_netns(net: SandboxNetwork) -> None:
-    lines = [
-        f"addr add {net.sandbox_ip}/{net.prefixlen} dev {net.sandbox_if}",
-        f"link set {net.sandbox_if} up",
-        "link set lo up",
-        f"route add default via {net.host_ip}",
-    ]
-    result = await _ip_batch(lines, netns=net.netns)
-    if result.code != 0:
-        raise _batch_error(result, lines, net.netns)
+    await _address_sandbox_side(net, replace=False)
 
 
 async def readdress(net: SandboxNetwork) -> None:
     """Put the sandbox address and default route (back) on the netns side of the veth, replacing
-    what is there: one ``ip`` process (a restore runs this before ``runsc restore``)."""
-    lines = [
-        f"addr replace {net.sandbox_ip}/{net.prefixlen} dev {net.sandbox_if}",
-        f"route replace default via {net.host_ip} dev {net.sandbox_if}",
-    ]
-    result = await _ip_batch(lines, netns=net.netns)
-    if result.code != 0:
-        raise _batch_error(result, lines, net.netns)
+    what is there (a resume runs this before ``runsc restore``)."""
+    await _address_sandbox_side(net, replace=True)
 
 
 async def teardown_network(settings: Settings, sandbox_id: str, net: SandboxNetwork | None = None) -> None:
     """Remove the netns, link, rules and slot of ``sandbox_id``. Idempotent; works without
     ``net`` (state lost in a crash) by finding the slot from this data directory's claims.
 
-    Two processes: ``iptables-restore`` (shared with concurrent setups and teardowns; without
-    ``net``, or when ``net``'s rules are not all there, ``iptables-save`` first) and ``ip -batch``."""
+    One process: ``iptables-restore`` (shared with concurrent setups and teardowns; without
+    ``net``, or when ``net``'s rules are not all there, ``iptables-save`` first); the link and
+    netns go by netlink and system calls."""
     # A second teardown finds the slot released: its rules are gone (deleted before the release)
     # or were not all deleted, so look them up rather than fail a shared commit with them.
     known = net is not None and _claimed_by(settings, net.slot) == sandbox_id
@@ -796,21 +789,27 @@ async def _teardown(
         mine = slot is not None and _claimed_by(settings, slot) == sandbox_id
         chains = frozenset({f"{EGRESS_CHAIN_PREFIX}{HOST_IF_PREFIX}{slot}"} if mine else ())
         await _delete_tagged_rules(netns, net if rules == "known" else None, settings.sandbox_subnet, chains)
-    lines = []
-    if _netns_exists(netns):
-        lines.append(f"netns del {netns}")
     if slot is not None:
         host_if = f"{HOST_IF_PREFIX}{slot}"
-        # Deleting the netns destroys the veth pair, unless a process still holds the netns.
+        # Deleting the netns destroys the veth pair only once no process holds the netns: the
+        # link goes explicitly (first, so that its slot is free when it is released below).
         if _link_exists(host_if) and _claimed_by(settings, slot) == sandbox_id:
-            lines.append(f"link del {host_if}")
-    if lines:
-        await _ip_batch(lines, force=True)
+            await _forced(netlink.delete_link, host_if)
+    if _netns_exists(netns):
+        await _forced(netlink.delete_netns, netns)
     if slot is not None and _claimed_by(settings, slot) == sandbox_id:
         # Its domain rules go, and so do the connections the egress proxy still relays for it.
         egress_proxy.write_policy(settings, slot, None)
         await egress_proxy.drop(slot_addresses(settings, slot)[1])
         _release_slot(settings, slot)
+
+
+async def _forced(fn: Callable[[str], None], name: str) -> None:
+    """A teardown step that goes on past a failure (as ``ip -force`` did): logged, not raised."""
+    try:
+        await _off_loop(fn, name)
+    except Exception as exc:
+        log.warning("network teardown: %s(%s) failed: %s", fn.__name__, name, exc)
 
 
 def _netns_exists(name: str) -> bool:

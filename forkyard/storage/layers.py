@@ -30,13 +30,13 @@ import re
 import secrets
 import shutil
 import stat
-import subprocess
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 from forkyard.errors import Failed
+from forkyard.storage import mounts
 from forkyard.storage.reflink import FICLONE
 
 log = logging.getLogger(__name__)
@@ -550,9 +550,18 @@ def _check_option_path(path: Path, text: str) -> None:
 
 
 def _mount(args: list[str], cwd: Path | None) -> None:
-    proc = _run(["mount", *args], cwd=cwd)
-    if proc.returncode != 0:
-        raise LayerError(f"mount {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    """mount(2) from this process (``args`` as mount(8) would take them: ``--bind -o ro SRC DST`` or
+    ``-t overlay overlay -o OPTIONS DST``); a process per mount cost ~4 ms of CPU."""
+    try:
+        if args[0] == "--bind":
+            source, target = args[-2], args[-1]
+            mounts.mount(source, target, None, mounts.MS_BIND)
+            # A bind mount takes its flags only when remounted (what mount(8) does for ``-o ro``).
+            mounts.mount("none", target, None, mounts.MS_BIND | mounts.MS_REMOUNT | mounts.MS_RDONLY)
+        else:
+            mounts.mount_in(cwd, args[2], Path(args[-1]), args[1], 0, args[4])
+    except OSError as exc:
+        raise LayerError(f"mount {' '.join(args)} failed: {exc.strerror or exc}") from exc
 
 
 def overlay_unmount(target: Path, *, busy_timeout: float = 2.0) -> None:
@@ -564,20 +573,27 @@ def overlay_unmount(target: Path, *, busy_timeout: float = 2.0) -> None:
     "lowerdir is in-use as upperdir/workdir of another mount" when it is next mounted)."""
     deadline = time.monotonic() + busy_timeout
     delay = 0.02
+    failure: OSError | None = None
     while _is_mountpoint(target):
-        proc = _run(["umount", str(target)])
-        if proc.returncode == 0 or not _is_mountpoint(target):
+        try:
+            mounts.umount(target)
             return
-        if "busy" not in proc.stderr or time.monotonic() + delay > deadline:
+        except OSError as exc:
+            failure = exc
+        if not _is_mountpoint(target):
+            return
+        if failure.errno != errno.EBUSY or time.monotonic() + delay > deadline:
             break
         time.sleep(delay)
         delay = min(delay * 2, 0.25)
     else:
         return
-    log.warning("%s is busy (%s): unmounting it lazily", target, proc.stderr.strip())
-    lazy = _run(["umount", "-l", str(target)])
-    if lazy.returncode != 0 and _is_mountpoint(target):
-        raise LayerError(f"umount {target} failed: {proc.stderr.strip()}; lazily: {lazy.stderr.strip()}")
+    log.warning("%s is busy (%s): unmounting it lazily", target, failure)
+    try:
+        mounts.umount(target, mounts.MNT_DETACH)
+    except OSError as lazy:
+        if _is_mountpoint(target):
+            raise LayerError(f"umount {target} failed: {failure}; lazily: {lazy}") from lazy
 
 
 def _is_mountpoint(path: Path) -> bool:
@@ -585,11 +601,6 @@ def _is_mountpoint(path: Path) -> bool:
     wanted = os.path.realpath(path)
     with open("/proc/self/mountinfo") as f:
         return any(_unescape_mountinfo(line.split(" ", 5)[4]) == wanted for line in f)
-
-
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LC_ALL": "C"}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False, env=env)
 
 
 __all__ = [

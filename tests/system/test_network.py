@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -452,3 +453,26 @@ async def test_domain_rules_redirect_to_the_proxy_and_updates_replace_them(
         assert not egress_proxy.has_policies(settings)
     finally:
         await egress_proxy.stop()
+
+
+async def test_set_up_readdress_and_teardown_start_no_ip_process(
+    settings: Settings, nets: list[SandboxNetwork], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The netns, veth, addresses and route are netlink from the server: the only processes a
+    sandbox's network starts are the (shared) iptables-restore commits (it started three `ip`
+    processes per fork child: host side, netns side, the restore's readdress; one per teardown)."""
+    started: list[str] = []
+    real = asyncio.create_subprocess_exec
+
+    async def recording(*cmd: str, **kwargs: Any) -> asyncio.subprocess.Process:
+        started.append(Path(cmd[0]).name)
+        return await real(*cmd, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recording)
+    net = await network.setup_network(settings, unique_id("np"), allow_internet_access=True)
+    nets.append(net)
+    await network.readdress(net)
+    assert f"{net.sandbox_ip}/30" in sh("ip", "-n", net.netns, "-o", "addr", "show", "dev", net.sandbox_if)
+    await network.teardown_network(settings, net.sandbox_id, net)
+    assert resources(net) == {"netns": False, "host_if": False, "rules": False}
+    assert started == ["iptables-restore", "iptables-restore"]

@@ -282,11 +282,15 @@ async def mount_snapshot_disk(
         return await asyncio.to_thread(disks.mount, paths, template_rootfs, list(meta["layers"]), disk_mb)
 
 
-async def restore_container(runsc: Runsc, paths: SandboxPaths, image: Path, net: SandboxNetwork) -> None:
+async def restore_container(
+    runsc: Runsc, paths: SandboxPaths, image: Path, net: SandboxNetwork, *, fresh_network: bool = False
+) -> None:
     """``runsc restore`` of the OCI bundle already written for the sandbox, onto ``net``.
 
     The link must carry the sandbox address again first (runsc took it off the link into the
     saved netstack): the address of the slot the restored sandbox now has, which is what lets a
-    fork child live at its own address."""
-    await network.readdress(net)
+    fork child live at its own address. A network just made for this restore (``fresh_network``:
+    a fork child, a create from a snapshot) carries it already: it is not set twice."""
+    if not fresh_network:
+        await network.readdress(net)
     await runsc.start(paths, image=image)

@@ -34,6 +34,7 @@ from pathlib import Path
 from forkyard.errors import Failed, Gone
 from forkyard.runtime.gvisor import cgroups, upper_delta
 from forkyard.runtime.gvisor.paths import SandboxPaths
+from forkyard.storage import mounts
 from forkyard.storage.atomic import write_json_atomic
 from forkyard.storage.envd_bundle import MOUNT_POINT
 from forkyard.storage.layers import LayerError, LayerStore, overlay_mount, overlay_unmount, tree_bytes
@@ -53,8 +54,9 @@ COPY_MAX_ENTRIES = 4096
 MKFS = ("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard")
 #: Part of a blank file system's name (see :meth:`RootDisks._blank`): new mkfs options, new blanks.
 _MKFS_TAG = hashlib.sha256(" ".join(MKFS).encode()).hexdigest()[:12]
-#: ``discard``: what the sandbox deletes is punched out of the sparse image, back to the node.
-DISK_MOUNT_OPTIONS = "loop,noatime,discard"
+#: ``discard``: what the sandbox deletes is punched out of the sparse image, back to the node
+#: (mounted ``noatime`` through a loop device with autoclear, as ``mount -o loop,noatime,discard``).
+DISK_DATA_OPTIONS = "discard"
 #: The smallest disk a sandbox gets (ext4 and its journal need room of their own).
 MIN_DISK_MB = 64
 
@@ -123,10 +125,12 @@ class RootDisks:
             tmp = paths.disk_image.with_suffix(".tmp")
             sparse_copy(self._blank(max(disk_mb, MIN_DISK_MB), paths.sandbox_id), tmp)
             tmp.rename(paths.disk_image)
-        _run(
-            ["mount", "-o", DISK_MOUNT_OPTIONS, str(paths.disk_image), str(paths.disk)],
-            f"mounting the disk of sandbox {paths.sandbox_id}",
-        )
+        try:
+            # mount(2) through a loop device of our own, as ``mount -o loop,noatime,discard``:
+            # no mount process per sandbox (~4 ms of CPU each here).
+            mounts.mount_image(paths.disk_image, paths.disk, "ext4", mounts.MS_NOATIME, DISK_DATA_OPTIONS)
+        except OSError as exc:
+            raise Failed(f"mounting the disk of sandbox {paths.sandbox_id} failed: {exc}") from exc
 
     def _blank(self, size_mb: int, sandbox_id: str) -> Path:
         """A new file system of ``size_mb`` MiB, made once per size (and mkfs options): a
@@ -148,7 +152,7 @@ class RootDisks:
 
     @staticmethod
     def release_disk(paths: SandboxPaths) -> None:
-        """Unmount the sandbox's disk (its loop device goes with it: mount(8) sets autoclear)."""
+        """Unmount the sandbox's disk (its loop device goes with it: it was attached with autoclear)."""
         overlay_unmount(paths.disk)
 
     @staticmethod

@@ -626,7 +626,9 @@ class GvisorRuntime(Runtime):
             self._write_bundle(spec, net, rootfs, envd_bundle, sudo_shim)
             instance = self._instance(spec, net, envd_bundle, sudo_shim)
             t = time.monotonic()
-            await checkpoint.restore_container(self.runsc, paths, source.path / MEMORY_DIR, net)
+            await checkpoint.restore_container(
+                self.runsc, paths, source.path / MEMORY_DIR, net, fresh_network=net is not saved_net
+            )
             self._guard_memory(paths)
             timings["runsc_restore_ms"] = elapsed_ms(t)
             t = time.monotonic()
