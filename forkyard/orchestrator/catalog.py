@@ -270,7 +270,7 @@ class SnapshotCatalog:
             stmt = select(sandboxes.c.instance).where(sandboxes.c.state != str(SandboxState.KILLED))
             found = set()
             for (raw,) in conn.execute(stmt):
-                root = SandboxInstance(**json.loads(raw)).template_rootfs if raw else None
+                root = SandboxInstance.from_json(json.loads(raw)).template_rootfs if raw else None
                 if root:
                     found.add(root)
             return found
