@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,8 +111,12 @@ class SnapshotCatalog:
         #: The snapshot store's side (uploads, fetches, the cache cap); None: node-local only.
         self.durable = durable
         self._runtimes = runtimes
-        if durable is not None:
-            durable.collect = lambda: self.collect_garbage(self._runtimes)
+        #: Told after every delete (the garbage collector's notice, see :mod:`.garbage`).
+        self._deleted: list[Callable[[], None]] = []
+
+    def on_delete(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after each snapshot delete (what it stood on may be free now)."""
+        self._deleted.append(listener)
 
     async def open(self, db: Registry) -> None:
         """Open on the registry (the node's SQLite file, or a cluster's shared database)."""
@@ -218,6 +222,8 @@ class SnapshotCatalog:
         if self.durable is not None:
             await self.durable.delete(snapshot_id)
         await self.store.delete(snapshot_id)
+        for listener in self._deleted:
+            listener()
 
     async def sweep(self, paused: dict[str, str]) -> list[str]:
         """At start-up: drop uncommitted snapshot dirs, pause snapshots no paused sandbox owns
@@ -237,10 +243,12 @@ class SnapshotCatalog:
             await self.durable.recover()
         return removed
 
-    async def collect_garbage(self, runtimes: Iterable[Runtime]) -> None:
-        """Have every runtime free the disk layers no snapshot and no sandbox uses any more."""
+    async def collect_garbage(self) -> None:
+        """Have every runtime free the disk layers no snapshot and no sandbox uses any more, and
+        free the dropped template roots nothing stands on. Called by the one
+        :class:`~forkyard.orchestrator.garbage.GarbageCollector`, never by hand."""
         async with self._gc_lock:
-            for runtime in runtimes:
+            for runtime in self._runtimes:
 
                 async def live(name: str = runtime.name) -> list[SnapshotRef]:
                     return [self.store.ref(r) for r in await self.rows() if r.runtime == name]

@@ -55,6 +55,7 @@ from forkyard.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
 from forkyard.orchestrator.death_watch import DeathWatch
 from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.orchestrator.envd_client import EnvdClient
+from forkyard.orchestrator.garbage import GarbageCollector
 from forkyard.orchestrator.idempotency import IdempotencyCache
 from forkyard.orchestrator.ids import new_access_token, new_sandbox_id
 from forkyard.orchestrator.logs import SandboxLogs
@@ -261,6 +262,7 @@ class Orchestrator:
         logs: SandboxLogs,
         telemetry: Telemetry,
         template_owner: TemplateOwner,
+        garbage: GarbageCollector,
     ) -> None:
         self.settings = settings
         self.runtimes = runtimes
@@ -274,6 +276,9 @@ class Orchestrator:
         self.telemetry = telemetry
         #: Template builds and deletes (of templates and of user snapshots: one namespace in E2B).
         self.template_owner = template_owner
+        #: Frees the disk layers and template roots nothing stands on; the catalog tells it of
+        #: every snapshot delete, :meth:`_release` of every released sandbox.
+        self.garbage = garbage
         self._locks: dict[str, asyncio.Lock] = {}
         #: Counting the node's sandboxes and inserting a new one are one step (``max_sandboxes``).
         self._admission = asyncio.Lock()
@@ -295,6 +300,7 @@ class Orchestrator:
             store,
             catalog,
             runtimes,
+            garbage,
             RecoveryActions(
                 is_alive=self._is_alive,
                 reattach=self._attach,
@@ -519,7 +525,6 @@ class Orchestrator:
         except (Failed, Unavailable, Gone) as exc:
             log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
             await self.template_snapshots.drop(snap)
-            self.background.spawn(self.catalog.collect_garbage(self.runtimes))
             return None
 
     async def _from_user_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
@@ -795,8 +800,8 @@ class Orchestrator:
     async def _release(
         self, runtime: Runtime, instance: SandboxInstance, pause_snapshot: str | None, *, runtime_done: bool
     ) -> None:
-        """Free what a killed sandbox held: its runtime resources (unless ``runtime_done``), its
-        pause snapshot, then the disk layers nothing uses any more."""
+        """Free what a killed sandbox held: its runtime resources (unless ``runtime_done``) and
+        its pause snapshot; the disk layers nothing uses any more go in the collector's next run."""
         if not runtime_done:
             try:
                 await runtime.kill(instance)
@@ -804,7 +809,7 @@ class Orchestrator:
                 log.warning("releasing killed sandbox %s failed: %s", instance.sandbox_id, exc)
         if pause_snapshot:
             await self.catalog.delete(pause_snapshot)
-        await self.catalog.collect_garbage(self.runtimes)
+        self.garbage.notify()
 
     async def set_timeout(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
         """The sandbox now expires ``timeout_seconds`` from now (shorter or longer)."""
@@ -1026,8 +1031,7 @@ class Orchestrator:
             duration_ms=str(elapsed_ms(started)),
         )
         if row is not None:
-            await self.catalog.delete(row.snapshot_id)
-            self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+            await self.catalog.delete(row.snapshot_id)  # its layers: collected in the background
         return rec
 
     async def _thaw(self, rec: SandboxRecord) -> None:
@@ -1304,7 +1308,6 @@ class Orchestrator:
             # Children stand on the snapshot's disk layers (they hold them) and the runtime has
             # read the memory image: the snapshot itself is not needed any more.
             await self.catalog.delete(row.snapshot_id)
-            await self.catalog.collect_garbage(self.runtimes)
         self.telemetry.observe("fork", str(count), time.monotonic() - started)
         if each is not None:  # each child's timeout restarted when it was handed out
             return list(outcomes)
@@ -1393,18 +1396,19 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
     runtimes = RuntimeSet(settings, runtime)
     store = SandboxStore.from_settings(settings)
     background = Background()
-    catalog = SnapshotCatalog(
+    durable = DurableSnapshots(
         settings.data_dir,
-        durable=DurableSnapshots(
-            settings.data_dir,
-            settings.s3,
-            templates_dir=settings.templates_dir,
-            objects=SnapshotObjects.from_settings(settings.s3),
-            background=background,
-        ),
-        runtimes=runtimes,
+        settings.s3,
         templates_dir=settings.templates_dir,
+        objects=SnapshotObjects.from_settings(settings.s3),
+        background=background,
     )
+    catalog = SnapshotCatalog(
+        settings.data_dir, durable=durable, runtimes=runtimes, templates_dir=settings.templates_dir
+    )
+    garbage = GarbageCollector(catalog.collect_garbage, background)
+    catalog.on_delete(garbage.notify)
+    durable.collect = garbage.collect  # its cache cap measures again after each eviction
     envd = EnvdClient()
     template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd)
     standbys = Standbys(settings, catalog, runtimes, envd)
@@ -1426,5 +1430,7 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
             template_snapshots=template_snapshots,
             standbys=standbys,
             background=background,
+            garbage=garbage,
         ),
+        garbage=garbage,
     )
