@@ -63,6 +63,7 @@ from forkyard.orchestrator.metrics_history import MetricSample, MetricsHistory
 from forkyard.orchestrator.reaper import FrozenTierPolicy, Reaper
 from forkyard.orchestrator.recovery import Recovery, RecoveryActions
 from forkyard.orchestrator.route_table import Route, RouteTable
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.store import (
@@ -1410,8 +1411,9 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
     catalog.on_delete(garbage.notify)
     durable.collect = garbage.collect  # its cache cap measures again after each eviction
     envd = EnvdClient()
-    template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd)
-    standbys = Standbys(settings, catalog, runtimes, envd)
+    rowless = RowlessSandboxes(runtimes)  # the node's own sandboxes: template snapshots, pools, builds
+    template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd, rowless)
+    standbys = Standbys(settings, catalog, runtimes, envd, rowless)
     return Orchestrator(
         settings,
         runtimes=runtimes,
@@ -1431,6 +1433,7 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
             standbys=standbys,
             background=background,
             garbage=garbage,
+            rowless=rowless,
         ),
         garbage=garbage,
     )

@@ -19,6 +19,7 @@ from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.builder import TemplateBuilder
 from forkyard.orchestrator.catalog import SnapshotCatalog
 from forkyard.orchestrator.garbage import GarbageCollector
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.template_snapshots import TemplateSnapshots
@@ -45,6 +46,7 @@ class TemplateOwner:
         standbys: Standbys,
         background: Background,
         garbage: GarbageCollector,
+        rowless: RowlessSandboxes,
     ) -> None:
         self._settings = settings
         self._catalog = catalog
@@ -52,7 +54,7 @@ class TemplateOwner:
         self._standbys = standbys
         self._garbage = garbage
         self.builder = TemplateBuilder(
-            settings, runtimes, template_snapshots, background, collect=garbage.collect
+            settings, runtimes, template_snapshots, background, collect=garbage.collect, rowless=rowless
         )
 
     async def close(self) -> None:
