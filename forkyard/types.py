@@ -53,7 +53,7 @@ class SandboxState(enum.StrEnum):
     KILLED = "killed"
 
 
-# The groups of states, named once (the registry, the lifecycle, the gateway and the node role
+# The groups of states, named once (the sandbox store, the lifecycle, the gateway and the node role
 # ask these questions of records).
 _S = SandboxState
 #: A record in these still owns host resources a paused one does not (a process, or one being

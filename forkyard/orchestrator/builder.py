@@ -199,7 +199,7 @@ class TemplateBuilder:
         rowless: RowlessSandboxes | None = None,
     ) -> None:
         self._settings = settings
-        #: Makes and kills the build sandboxes (no registry row; the server's one, shared with
+        #: Makes and kills the build sandboxes (no database row; the server's one, shared with
         #: ``snapshots``; the CLI gets its own).
         self._rowless = rowless or RowlessSandboxes(runtimes)
         #: Frees the roots of builds a publish dropped once nothing stands on them (the

@@ -29,7 +29,7 @@ from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.runtime.base import Runtime
 from forkyard.storage import snapshots as storage
 from forkyard.storage import templates as template_storage
-from forkyard.storage.db import Registry
+from forkyard.storage.db import Database
 from forkyard.storage.db.schema import sandboxes
 from forkyard.storage.snapshots import SnapshotKind, SnapshotRow, SnapshotStore
 from forkyard.types import SandboxInstance, SandboxState, SnapshotRef, TemplateImage
@@ -118,8 +118,8 @@ class SnapshotCatalog:
         """Call ``listener`` after each snapshot delete (what it stood on may be free now)."""
         self._deleted.append(listener)
 
-    async def open(self, db: Registry) -> None:
-        """Open on the registry (the node's SQLite file, or a cluster's shared database)."""
+    async def open(self, db: Database) -> None:
+        """Open on the database (the node's SQLite file, or a cluster's shared database)."""
         self._store = SnapshotStore(db, self._data_dir)
         await self._store.open()
         if self.durable is not None:
@@ -202,7 +202,7 @@ class SnapshotCatalog:
 
     async def find_user_snapshot(self, name_or_id: str) -> SnapshotRow | None:
         """A user snapshot by id or name: this node's, else one the snapshot store holds (taken
-        on another node, or before this node's registry was lost)."""
+        on another node, or before this node's database was lost)."""
         row = await self.store.find(name_or_id)
         if row is None and self.durable is not None:
             row = await self.durable.adopt(name_or_id)

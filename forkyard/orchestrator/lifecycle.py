@@ -552,7 +552,7 @@ class Orchestrator:
     async def _bring_up(
         self, rec: SandboxRecord, runtime: Runtime, source: Source, timeout_seconds: int
     ) -> SandboxRecord:
-        """The one way a sandbox comes up: registry row, runtime instance (boot, restore or a
+        """The one way a sandbox comes up: database row, runtime instance (boot, restore or a
         pooled one), envd ``/init``, running. Each step registers its undo; a failure undoes them
         newest first and leaves a killed record with the reason in its logs."""
         undo = Undo(f"bringing up sandbox {rec.sandbox_id}")
@@ -560,7 +560,7 @@ class Orchestrator:
         async with self._lock(rec.sandbox_id):
             await self._admit(rec, runtime, source)
             try:
-                undo.push("registry row", lambda: self._mark_failed(rec, runtime))
+                undo.push("database row", lambda: self._mark_failed(rec, runtime))
                 undo.push(
                     "runtime instance",
                     lambda: runtime.kill(
@@ -742,7 +742,7 @@ class Orchestrator:
         self.telemetry.observe("kill", "", time.monotonic() - started)
 
     async def reap_killed_elsewhere(self) -> list[str]:
-        """Stop the sandboxes running here whose registry rows say killed: a gateway found this
+        """Stop the sandboxes running here whose database rows say killed: a gateway found this
         node lost (cluster mode) while they ran on; the cluster already reports them gone.
         (At start-up recovery needs nothing extra: a killed row is not re-attached, and
         ``cleanup_orphans`` removes what no live row names.)"""

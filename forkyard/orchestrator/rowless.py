@@ -1,4 +1,4 @@
-"""The one owner of the sandboxes a node makes for itself: runtime instances with no registry row.
+"""The one owner of the sandboxes a node makes for itself: runtime instances with no database row.
 
 A user sandbox has a row and changes state only through ``Orchestrator._enter``. These have none,
 and are no user's: nobody connects to, pauses or snapshots them through the API. They are

@@ -14,7 +14,7 @@ claims 16 standbys from its second group on. Standbys beyond ``snapshot_standbys
 while the node has more than ``pause_min_available_mib`` of memory available (below it frozen
 sandboxes are moved to disk: standbys must not push them there).
 
-Standbys have no registry row: they are made and killed through
+Standbys have no database row: they are made and killed through
 :class:`~forkyard.orchestrator.rowless.RowlessSandboxes`, a crashed server's start-up clean-up
 removes them like any leak, a clean shut-down kills them.
 """

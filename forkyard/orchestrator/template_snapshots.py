@@ -5,7 +5,7 @@ one more sandbox of it in the background and snapshots it with envd answering; l
 restore that snapshot, or claim a sandbox the warm pool restored from it ahead of demand. A
 template snapshot is valid for one runtime, one template build and one envd bundle (its key).
 
-The sandboxes booted here to be snapshotted, the pooled ones and a build's have no registry row:
+The sandboxes booted here to be snapshotted, the pooled ones and a build's have no database row:
 they are made and killed through :class:`~forkyard.orchestrator.rowless.RowlessSandboxes`, and a
 crashed server's start-up clean-up (``Runtime.cleanup_orphans``) removes them like any leak.
 """
@@ -144,7 +144,7 @@ class TemplateSnapshots:
     async def sandbox_of(
         self, info: templates.TemplateInfo, runtime: Runtime, spec: SandboxSpec
     ) -> SandboxInstance:
-        """A sandbox of the template with no registry row (a template build's): restored from
+        """A sandbox of the template with no database row (a template build's): restored from
         the template's snapshot when it has one (a fraction of a boot), else booted."""
         snap = await self.lookup(info, runtime)
         if snap is not None:

@@ -47,6 +47,7 @@ from forkyard.runtime.base import Capability
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
 from forkyard.runtime.firecracker_version import binary_version, binary_version_problem
+from forkyard.runtime.kinds import firecracker_unusable_reason
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import snapshot_disk
 from forkyard.runtime.microvm.runtime import (
@@ -59,7 +60,6 @@ from forkyard.runtime.microvm.runtime import (
 )
 from forkyard.runtime.microvm.state import MicroVMState
 from forkyard.runtime.network import SandboxNetwork
-from forkyard.runtime.registry import firecracker_unusable_reason
 from forkyard.storage.images import GuestImages
 from forkyard.types import RuntimeName, SandboxInstance, SnapshotRef
 
