@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.density import MIB, host_memory
 from bench.harness import serve, stats, timed, write_result
-from bench.lifecycle import Registry
+from bench.lifecycle import ServerDatabase
 
 TEMPLATE = "code-interpreter-v1"
 CHART_CELL = "plt.plot([1, 2, 3, 4], [4, 1, 3, 2])\nplt.title('bench')\nplt.show()"
@@ -34,17 +34,17 @@ POOL_WAIT_SECONDS = 300.0
 TARGETS_MS = {"create_to_first_result": 150, "run_code_round_trip": 25, "matplotlib_chart": 400}
 
 
-def _pooled(server: Any, registry: Registry, template: str) -> int:
+def _pooled(server: Any, database: ServerDatabase, template: str) -> int:
     """Sandboxes the pool of ``template`` announced that no create claimed yet."""
     log = server.log_path.read_text(errors="replace")
     announced = re.findall(rf"warm pool \S*{re.escape(template)}\S*: (\S+) ready in", log)
-    return len(set(announced) - registry.sandbox_ids())
+    return len(set(announced) - database.sandbox_ids())
 
 
-def _wait_pool(server: Any, registry: Registry, template: str) -> None:
+def _wait_pool(server: Any, database: ServerDatabase, template: str) -> None:
     """Until the pool of ``template`` holds a sandbox (a claim below the low mark refills it)."""
     deadline = time.monotonic() + POOL_WAIT_SECONDS
-    while _pooled(server, registry, template) < 1:
+    while _pooled(server, database, template) < 1:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the warm pool of {template} held nothing for {POOL_WAIT_SECONDS:.0f} s")
         time.sleep(0.05)
@@ -66,15 +66,15 @@ def run(runs: int) -> dict[str, Any]:
     creates = max(5, runs // 2)
     with serve(extra_env=env) as server:
         opts = server.sdk_opts
-        registry = Registry(server.data_dir)
+        database = ServerDatabase(server.data_dir)
         for template in ("base", TEMPLATE):
-            _wait_pool(server, registry, template)
+            _wait_pool(server, database, template)
         for i in range(creates):
             started = time.perf_counter()
             sbx = Sandbox.create(timeout=300, **opts)
             first = sbx.run_code("1+1")
             samples["create_to_first_result"].append(time.perf_counter() - started)
-            origins.append(str(registry.sandbox(sbx.sandbox_id).get("origin")))
+            origins.append(str(database.sandbox(sbx.sandbox_id).get("origin")))
             if first.text != "2":
                 errors.append(f"run {i}: 1+1 gave {first.text!r} ({first.error})")
             if i == 0:
@@ -84,7 +84,7 @@ def run(runs: int) -> dict[str, Any]:
                 for _ in range(runs):
                     samples["matplotlib_chart"].append(timed(lambda s=sbx: _chart(s, errors)))
             sbx.kill()
-            _wait_pool(server, registry, TEMPLATE)
+            _wait_pool(server, database, TEMPLATE)
             started = time.perf_counter()
             base = BaseSandbox.create("base", timeout=300, **opts)
             base.commands.run("echo hi")
@@ -93,7 +93,7 @@ def run(runs: int) -> dict[str, Any]:
                 for _ in range(runs):
                     samples["commands_run_true"].append(timed(lambda b=base: b.commands.run("true")))
             base.kill()
-            _wait_pool(server, registry, "base")
+            _wait_pool(server, database, "base")
         memory = _idle_memory(Sandbox, BaseSandbox, opts)
     result: dict[str, Any] = {name: stats(values) for name, values in samples.items()}
     result["idle_pss_mib"] = memory

@@ -170,9 +170,9 @@ def _memory_state(ids: list[str]) -> dict[str, Any]:
 def _wait_tiers(pools: Pools, ids: list[str], tier: str) -> float:
     """Wait until every sandbox is in ``tier``; seconds waited."""
     start = time.monotonic()
-    while any(pools.registry.pause_tier(sid) != tier for sid in ids):
+    while any(pools.database.pause_tier(sid) != tier for sid in ids):
         if time.monotonic() - start > TIER_WAIT_SECONDS:
-            tiers = {sid: pools.registry.pause_tier(sid) for sid in ids}
+            tiers = {sid: pools.database.pause_tier(sid) for sid in ids}
             raise RuntimeError(f"sandboxes not all {tier} after {TIER_WAIT_SECONDS:.0f} s: {tiers}")
         time.sleep(0.2)
     return time.monotonic() - start
@@ -181,7 +181,7 @@ def _wait_tiers(pools: Pools, ids: list[str], tier: str) -> float:
 def _on_disk(server: ServerProcess, pools: Pools, ids: list[str]) -> dict[str, Any]:
     images, image_apparent, layers, own = [], [], [], []
     for sid in ids:
-        rec = pools.registry.sandbox(sid)
+        rec = pools.database.sandbox(sid)
         snap = server.data_dir / "snapshots" / str(rec.get("pause_snapshot") or "-")
         image = tree_bytes(snap)
         images.append(image["allocated"])
@@ -227,9 +227,9 @@ def run(runs: int) -> dict[str, Any]:
 
             for sbx in sandboxes:
                 sbx.pause()
-            frozen_ids = [sid for sid in ids if pools.registry.pause_tier(sid) == "frozen"]
+            frozen_ids = [sid for sid in ids if pools.database.pause_tier(sid) == "frozen"]
             frozen = _memory_state(frozen_ids)
-            still = [sid for sid in frozen_ids if pools.registry.pause_tier(sid) == "frozen"]
+            still = [sid for sid in frozen_ids if pools.database.pause_tier(sid) == "frozen"]
             if len(still) < count:
                 errors.append(f"only {len(still)} of {count} sandboxes stayed frozen while measured")
 
@@ -238,7 +238,7 @@ def run(runs: int) -> dict[str, Any]:
             disk = _on_disk(server, pools, ids)
             moves = [
                 float(fields["duration_ms"]) / 1000
-                for sid, fields in pools.registry.events("paused sandbox moved to disk")
+                for sid, fields in pools.database.events("paused sandbox moved to disk")
                 if sid in ids and "duration_ms" in fields
             ]
             # The on-disk sandboxes are whole: one comes back and answers.

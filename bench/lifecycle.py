@@ -21,7 +21,7 @@ Three servers, one after the other:
   64 forks answering, kill.
 
 Every sandbox's origin (``warm_pool``, ``standby``, ``snapshot``...) and every pause's tier
-(``frozen``, ``disk``) is read from the server's registry (``<data_dir>/forkyard.sqlite3``): a
+(``frozen``, ``disk``) is read from the server's database (``<data_dir>/forkyard.sqlite3``): a
 sample lands in a row only when the server really took that path (the others are counted in
 ``paths_seen``). Before each timed operation the bench waits until no warm pool or standby pool
 is refilling (a restore in the background would share the two cores with the measurement) and
@@ -156,10 +156,10 @@ TARGETS = (
 )
 
 
-# -- what the server did: its registry and its log -------------------------------------------
+# -- what the server did: its database and its log -------------------------------------------
 
 
-class Registry:
+class ServerDatabase:
     """Read-only queries on a server's ``forkyard.sqlite3`` (short connections; WAL mode)."""
 
     def __init__(self, data_dir: Path) -> None:
@@ -207,10 +207,10 @@ def _env_int(name: str, default: int, env: dict[str, str]) -> int:
 
 
 class Pools:
-    """The server's warm pool and standby pools, as its log and registry show them.
+    """The server's warm pool and standby pools, as its log and database show them.
 
     A pool holds the sandboxes its log announced (``warm pool <key>: <id> ready in``) that have
-    no registry row yet (a claim adds the row). A claim that empties a pool starts a refill up to
+    no database row yet (a claim adds the row). A claim that empties a pool starts a refill up to
     ``high``; one from a snapshot restored ``RESTORES_BEFORE_STANDBYS`` times starts its
     standbys. :meth:`settle` waits until every refill the bench caused has finished.
     """
@@ -218,7 +218,7 @@ class Pools:
     def __init__(self, server: ServerProcess, env: dict[str, str] | None = None) -> None:
         env = env or {}
         self.server = server
-        self.registry = Registry(server.data_dir)
+        self.database = ServerDatabase(server.data_dir)
         self.template_high = _env_int("FORKYARD_WARM_POOL_HIGH", 2, env)
         self.standby_high = _env_int("FORKYARD_SNAPSHOT_STANDBYS", 2, env)
         self._pending: dict[str, int] = {}  # pool key -> announced sandboxes to wait for
@@ -253,7 +253,7 @@ class Pools:
 
     def _ready(self, key: str, pools: dict[str, list[str]]) -> int:
         """Sandboxes of the pool ``key`` not claimed yet."""
-        claimed = self.registry.sandbox_ids()
+        claimed = self.database.sandbox_ids()
         return sum(1 for sid in pools.get(key, []) if sid not in claimed)
 
     def create(self, template: str, timeout: int = 600) -> Created:
@@ -261,10 +261,10 @@ class Pools:
         read before the create: a refill starts with the claim, and may announce a sandbox
         before the create returns."""
         before = self.announced()
-        claimed = self.registry.sandbox_ids()
+        claimed = self.database.sandbox_ids()
         created = create_to_first_command(template, self.server, timeout)
         sbx = created.sandbox
-        rec = self.registry.sandbox(sbx.sandbox_id)
+        rec = self.database.sandbox(sbx.sandbox_id)
         origin = str(rec.get("origin") or "unknown")
         if origin in ("warm_pool", "standby"):
             key = next((k for k, sids in before.items() if sbx.sandbox_id in sids), None)
@@ -366,7 +366,7 @@ class Created:
     seconds: float
     #: The create request alone.
     request_s: float
-    #: The registry's ``origin`` (booked by :meth:`Pools.create`).
+    #: The database's ``origin`` (booked by :meth:`Pools.create`).
     origin: str = "unknown"
 
 
@@ -433,10 +433,10 @@ def _cold(runs: int, samples: dict[str, list[float]]) -> None:
     from bench.harness import serve
 
     with serve(extra_env=COLD_ENV) as cold:
-        registry = Registry(cold.data_dir)
+        database = ServerDatabase(cold.data_dir)
         for _ in range(runs):
             created = create_to_first_command("base", cold)
-            if registry.origin(created.sandbox.sandbox_id) == "boot":
+            if database.origin(created.sandbox.sandbox_id) == "boot":
                 samples["cold_create_to_first_command"].append(created.seconds)
             created.sandbox.kill()
 
@@ -465,7 +465,7 @@ def _disk(runs: int, samples: dict[str, list[float]], seen: Counter[str]) -> lis
             child.commands.run("true")
             pools.settle()
             seconds = _timed(child.pause)
-            tier = pools.registry.pause_tier(child.sandbox_id)
+            tier = pools.database.pause_tier(child.sandbox_id)
             seen[f"disk server pause: {tier}"] += 1
             if tier == "disk":
                 samples["pause_to_disk"].append(seconds)
@@ -605,7 +605,7 @@ def _groups_from_standbys(
         if not pools.wait_ready(snapshot_id, FORK_COUNT):
             return
         members, seconds = _create_group(snapshot_id, server, errors)
-        origins = Counter(pools.registry.origin(m.sandbox_id) for m in members)
+        origins = Counter(pools.database.origin(m.sandbox_id) for m in members)
         seen.update({f"group create from snapshot: {o}": n for o, n in origins.items()})
         if origins["standby"] == FORK_COUNT:
             samples["group16_from_standbys_to_all_answering"].append(seconds)
@@ -740,7 +740,7 @@ def _main(
                 samples["create_from_snapshot_standby_request"].append(created.request_s)
             pools.settle()
             seconds = _timed(child.pause)
-            tier = pools.registry.pause_tier(child.sandbox_id)
+            tier = pools.database.pause_tier(child.sandbox_id)
             seen[f"pause: {tier}"] += 1
             if tier == "frozen":
                 samples["pause"].append(seconds)
@@ -807,7 +807,7 @@ def run(server: ServerProcess, runs: int) -> dict[str, Any]:
         "notes": "Servers: cold = template "
         "snapshots off (a boot); disk = FORKYARD_PAUSE_FREEZE=false and standbys off (every pause "
         "a checkpoint, every snapshot create a restore); main = production settings (warm pool, "
-        "standbys, frozen tier). A sample counts in a row only when the registry shows that path "
+        "standbys, frozen tier). A sample counts in a row only when the database shows that path "
         "(origin, pause tier: paths_seen). Unavailable = snapshot request start -> request end -> "
         "first command answers; prober gap = longest time without an answer of a concurrent "
         "command loop (>= one round trip). Fork and group rows: FORKYARD_BENCH_FORK_RUNS (default 3) "

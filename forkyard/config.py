@@ -130,7 +130,7 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 3000
-    #: Root of all node state: templates, sandboxes, snapshots, the SQLite registry.
+    #: Root of all node state: templates, sandboxes, snapshots, the SQLite database.
     data_dir: Path = Path("/var/lib/forkyard")
     #: API keys accepted in ``X-API-Key``. Empty means: generate one at start-up and print it.
     api_keys: list[str] = []
@@ -206,17 +206,17 @@ class Settings(BaseSettings):
     #: convention: ``SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY``; forkyard/api/image_sandboxes.py). The
     #: image is built into a template on first use. Empty: metadata is only metadata.
     sandbox_image_metadata_key: str = "forkyard.image"
-    #: The registry database (SQLAlchemy async URL). Empty: SQLite at ``db_path`` (single node);
+    #: The database (SQLAlchemy async URL). Empty: SQLite at ``db_path`` (single node);
     #: a cluster shares one PostgreSQL: ``postgresql+asyncpg://user@host:port/db``.
     database_url: str = ""
-    #: This node's name in the registry (every sandbox row carries its owner's). Empty: the host name.
+    #: This node's name in the database (every sandbox row carries its owner's). Empty: the host name.
     node_id: str = ""
     #: The URL gateways reach this node at (``forkyard node serve``); empty: ``http://{host}:{port}``.
     node_url: str = ""
     #: Shared HMAC secrets between gateways and nodes (forkyard/api/nodeauth.py): the first signs,
     #: any verifies (rotate by listing two). Required by ``forkyard node serve`` and ``gateway``.
     node_secrets: list[str] = []
-    #: How often a node writes its capacity into the registry's ``nodes`` row.
+    #: How often a node writes its capacity into the database's ``nodes`` row.
     node_heartbeat_seconds: float = 5.0
     #: A node whose heartbeat is older than this is marked lost by the gateways, its sandboxes killed.
     node_lost_after_seconds: float = 30.0
@@ -233,8 +233,8 @@ class Settings(BaseSettings):
         return self.data_dir / "forkyard.sqlite3"
 
     @property
-    def registry_url(self) -> str:
-        """The registry's database URL: ``database_url``, else the node's SQLite file."""
+    def resolved_database_url(self) -> str:
+        """The database URL: ``database_url``, else the node's SQLite file."""
         return self.database_url or f"sqlite+aiosqlite:///{self.db_path}"
 
     @property

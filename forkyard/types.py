@@ -8,8 +8,8 @@ envd bundle ships it beside ``forkyard.envd``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +59,7 @@ class SandboxState(enum.StrEnum):
     KILLED = "killed"
 
 
-# The groups of states, named once (the registry, the lifecycle, the gateway and the node role
+# The groups of states, named once (the sandbox store, the lifecycle, the gateway and the node role
 # ask these questions of records).
 _S = SandboxState
 #: A record in these still owns host resources a paused one does not (a process, or one being
@@ -126,15 +126,46 @@ class SandboxSpec:
     ahead_of_demand: bool = False
 
 
-#: The keys of :attr:`SandboxInstance.state` every runtime writes (read through its properties).
-TEMPLATE_ROOTFS_KEY = "template_rootfs"
-NETWORK_KEY = "network"
+#: Where the sandboxes' network namespaces are (``ip netns``'s directory).
+NETNS_DIR = Path("/var/run/netns")
+
+
+@dataclass(frozen=True)
+class SandboxNetwork:
+    """A sandbox's private link: its network namespace, the veth pair and the /30 of its slot
+    (made and torn down by ``runtime.network``). Every runtime's sandboxes have one; it is a
+    fact of the instance (:attr:`SandboxInstance.network`), not of one runtime."""
+
+    sandbox_id: str
+    netns: str
+    slot: int
+    host_if: str
+    sandbox_if: str
+    host_ip: str
+    sandbox_ip: str
+    prefixlen: int = 30
+    allow_internet_access: bool = True
+
+    @property
+    def netns_path(self) -> str:
+        return str(NETNS_DIR / self.netns)
+
+    def to_state(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> SandboxNetwork:
+        return cls(**state)
 
 
 @dataclass
 class SandboxInstance:
-    """A live sandbox as the runtime left it. ``state`` is runtime-private and JSON-serialisable:
-    the orchestrator persists it so that a restarted server can re-attach or clean up."""
+    """A live sandbox as the runtime left it; the orchestrator persists it (:meth:`to_json`) so
+    that a restarted server can re-attach or clean up.
+
+    The facts the layers above need are typed fields. ``state`` is the runtime's own record,
+    JSON, opaque to everything else: only the runtime named by ``runtime`` reads it, through its
+    own state class (``GvisorState``, ``FirecrackerState``, ``QemuState``)."""
 
     sandbox_id: str
     runtime: str
@@ -142,30 +173,46 @@ class SandboxInstance:
     envd_url: str
     #: Address of the sandbox on its private link; ports other than envd's are reached here too.
     address: str
+    #: The runtime's private record (see the class docstring).
     state: dict[str, Any] = field(default_factory=dict)
+    #: The template root the sandbox's disk stands on (snapshots record it; a filesystem-only
+    #: resume and a rollback check it).
+    template_rootfs: str | None = None
+    #: The sandbox's network link; None while it has none (a paused-to-disk sandbox gave its
+    #: slot back, a placeholder never had one).
+    network: SandboxNetwork | None = None
 
-    # The facts every runtime records in its state that the layers above need: read through
-    # these, never the runtime's dict (its keys are the runtime's own business).
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
-    @property
-    def template_rootfs(self) -> str | None:
-        """The template root the sandbox's disk stands on (snapshots record it; a filesystem-only
-        resume and a rollback check it)."""
-        value = self.state.get(TEMPLATE_ROOTFS_KEY)
-        return str(value) if value else None
-
-    @property
-    def network_state(self) -> dict[str, Any] | None:
-        """The runtime's record of the sandbox's network link (``runtime.network.SandboxNetwork``
-        state), None where it keeps none."""
-        value = self.state.get(NETWORK_KEY)
-        return value if isinstance(value, dict) and value else None
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SandboxInstance:
+        """An instance as :meth:`to_json` wrote it, or as nodes before the typed fields did: those
+        kept ``template_rootfs`` and ``network`` inside the runtime's ``state`` (recovery reads
+        such rows back after an upgrade)."""
+        state = dict(data.get("state") or {})
+        rootfs = data.get("template_rootfs", state.get(_OLD_TEMPLATE_ROOTFS_KEY))
+        net = data.get("network", state.get(_OLD_NETWORK_KEY))
+        return cls(
+            sandbox_id=data["sandbox_id"],
+            runtime=data["runtime"],
+            envd_url=data["envd_url"],
+            address=data["address"],
+            state=state,
+            template_rootfs=str(rootfs) if rootfs else None,
+            network=SandboxNetwork.from_state(net) if isinstance(net, Mapping) and net else None,
+        )
 
     @classmethod
     def placeholder(cls, sandbox_id: str, runtime: str) -> SandboxInstance:
         """What a kill is handed for a sandbox whose runtime never reported an instance (a create
         that failed half-way): runtimes find its leftovers by the sandbox id."""
         return cls(sandbox_id=sandbox_id, runtime=runtime, envd_url="", address="", state={})
+
+
+#: Where instances written before the typed fields kept them (inside ``state``).
+_OLD_TEMPLATE_ROOTFS_KEY = "template_rootfs"
+_OLD_NETWORK_KEY = "network"
 
 
 @dataclass(frozen=True)

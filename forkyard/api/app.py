@@ -25,7 +25,7 @@ from forkyard.api.proxy import SandboxProxy
 from forkyard.config import Settings
 from forkyard.orchestrator.lifecycle import Orchestrator, build_orchestrator
 from forkyard.runtime.base import Runtime
-from forkyard.runtime.registry import select_runtime
+from forkyard.runtime.kinds import select_runtime
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 :func:`install` makes an app built by :func:`forkyard.api.app.create_app` a cluster node: every
 request must carry a gateway's signature (:class:`~forkyard.api.nodeauth.NodeAuth`, which then
-stands in for the API key), and the node heartbeats its capacity into the shared registry
+stands in for the API key), and the node heartbeats its capacity into the shared database
 (:class:`~forkyard.orchestrator.heartbeat.Heartbeat`) from start-up to shutdown.
 """
 
@@ -65,7 +65,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     async def heartbeat_lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Router lifespans run after the app's own: the orchestrator (and the schema) are up.
         orch: Orchestrator = app.state.orchestrator
-        engine = engine_for(settings.registry_url)
+        engine = engine_for(settings.resolved_database_url)
 
         async def reap() -> None:
             reaped = await orch.reap_killed_elsewhere()
@@ -88,10 +88,10 @@ def install(app: FastAPI, settings: Settings) -> None:
 
 
 def require_cluster_settings(settings: Settings, command: str) -> None:
-    """Cluster roles share a registry and a secret: refuse to start without them."""
+    """Cluster roles share a database and a secret: refuse to start without them."""
     missing = []
     if not settings.database_url:
-        missing.append("FORKYARD_DATABASE_URL (the shared registry, postgresql+asyncpg://user@host:port/db)")
+        missing.append("FORKYARD_DATABASE_URL (the shared database, postgresql+asyncpg://user@host:port/db)")
     if not [s for s in settings.node_secrets if s]:
         missing.append('FORKYARD_NODE_SECRETS (a JSON list of shared secrets, e.g. ["<32+ random bytes>"])')
     if missing:

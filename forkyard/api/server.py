@@ -16,7 +16,7 @@ from forkyard.api import dns, tls
 from forkyard.api.app import create_app
 from forkyard.config import Settings
 from forkyard.errors import Invalid
-from forkyard.runtime.registry import select_runtime
+from forkyard.runtime.kinds import select_runtime
 
 log = logging.getLogger("forkyard.serve")
 

@@ -122,7 +122,7 @@ def serve(
     host: str = typer.Option(None, help="Address to listen on (default 127.0.0.1)."),
     port: int = typer.Option(None, help="Port to listen on (default 3000)."),
 ) -> None:
-    """Run this host's sandboxes as a cluster node: the shared registry (FORKYARD_DATABASE_URL),
+    """Run this host's sandboxes as a cluster node: the shared database (FORKYARD_DATABASE_URL),
     heartbeats, and only requests signed by a gateway (FORKYARD_NODE_SECRETS)."""
     from forkyard.api.server import run  # the web stack only when serving
     from forkyard.errors import Invalid

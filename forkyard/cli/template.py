@@ -37,7 +37,7 @@ from forkyard.orchestrator.builder import (
     TemplateBuilder,
 )
 from forkyard.orchestrator.runtimes import RuntimeSet
-from forkyard.runtime.registry import select_runtime
+from forkyard.runtime.kinds import select_runtime
 from forkyard.storage.templates import RECIPES, TemplateError, build_template, is_current, list_templates
 
 CWD = Path(".")

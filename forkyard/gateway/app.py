@@ -1,6 +1,6 @@
 """The gateway: one port serving the whole E2B API and envd traffic for a cluster of nodes.
 
-Stateless: everything it knows comes from the shared registry (nodes, sandbox owners, snapshot
+Stateless: everything it knows comes from the shared database (nodes, sandbox owners, snapshot
 copies) or from the nodes; several run side by side, a restart loses nothing. It checks API keys
 (forkyard/api/auth.py) and forwards every control-plane call, signed, to a node:
 
@@ -18,7 +18,7 @@ envd traffic (``E2B-Sandbox-Id`` header or ``{port}-{id}.{domain}`` Host) is rel
 node's sandbox proxy (:class:`~forkyard.gateway.forward.EnvdRelay`).
 
 A background loop marks nodes whose heartbeat is older than ``node_lost_after_seconds`` lost and
-their sandboxes killed (:meth:`GatewayRegistry.mark_lost`).
+their sandboxes killed (:meth:`NodeDirectory.mark_lost`).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ from forkyard.errors import ForkyardError, Invalid, http_status
 from forkyard.gateway import placement
 from forkyard.gateway.fork import ForkRequest, Spill, plan_spill
 from forkyard.gateway.forward import EnvdRelay, NodeClient, NodeUnreachable, Reply
+from forkyard.gateway.node_directory import NodeDirectory
 from forkyard.gateway.placement import Need, NodeInfo, Placed
-from forkyard.gateway.registry import GatewayRegistry
 from forkyard.gateway.status import cluster_metrics, cluster_status
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.store import ListQuery, SandboxStore
@@ -84,7 +84,7 @@ _NODES_TTL_S = 1.0
 
 
 class Gateway:
-    """The state of one gateway process: registry, node clients, caches."""
+    """The state of one gateway process: its node directory, node clients, caches."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -94,7 +94,7 @@ class Gateway:
         self.nodes_client = NodeClient(settings.node_secrets, self.gateway_id)
         self.relay = EnvdRelay(settings.node_secrets, self.gateway_id, settings.max_upload_bytes)
         self._store: SandboxStore | None = None
-        self._db: GatewayRegistry | None = None
+        self._db: NodeDirectory | None = None
         self._nodes: list[NodeInfo] = []
         self._nodes_read = 0.0
         self._owners: dict[str, str] = {}
@@ -102,7 +102,7 @@ class Gateway:
         self._watch: asyncio.Task[None] | None = None
 
     @property
-    def db(self) -> GatewayRegistry:
+    def db(self) -> NodeDirectory:
         if self._db is None:
             raise RuntimeError("the gateway is not started")
         return self._db
@@ -120,7 +120,7 @@ class Gateway:
             settings.db_path, database_url=settings.database_url, node_id=self.gateway_id
         )
         await self._store.open()
-        self._db = GatewayRegistry(self._store.db.engine)
+        self._db = NodeDirectory(self._store.db.engine)
         self._watch = asyncio.create_task(self._watch_liveness(), name="gateway-liveness")
 
     async def stop(self) -> None:
@@ -199,7 +199,7 @@ class Gateway:
                     for sid in lost.sandbox_ids:
                         self.forget(sid)
                     await self.nodes(refresh=True)
-            except Exception:  # the registry may be briefly unreachable: try again next round
+            except Exception:  # the database may be briefly unreachable: try again next round
                 log.exception("gateway: checking node liveness failed")
             await asyncio.sleep(interval)
 
@@ -233,7 +233,7 @@ class Gateway:
     async def _signed_target(self, scope: Scope) -> Target | None:
         """envd of the sandbox whose token signs this ``/files`` URL (the SDKs' ``download_url``
         and ``upload_url`` carry no routing header), as the node's proxy finds it, from the
-        registry's running sandboxes. None: not signed (envd checks signature and expiry again)."""
+        database's running sandboxes. None: not signed (envd checks signature and expiry again)."""
         signed = SignedFilesUrl.of(scope)
         if signed is None:
             return None
@@ -343,7 +343,7 @@ class Gateway:
         return JSONResponse(children, status_code=201)
 
     def _learn_owners(self, body: bytes, node_id: str) -> int:
-        """Sandboxes a node just made are its own (saves a registry read on their first call);
+        """Sandboxes a node just made are its own (saves a database read on their first call);
         returns how many."""
         learned = 0
         with contextlib.suppress(ValueError):
@@ -414,7 +414,7 @@ class Gateway:
         return JSONResponse(_merge([json.loads(r.body) for r in replies], key))
 
     async def _list_sandboxes(self, request: Request) -> Response:
-        """``GET /sandboxes`` and ``/v2/sandboxes`` from the registry, across nodes (the nodes'
+        """``GET /sandboxes`` and ``/v2/sandboxes`` from the database, across nodes (the nodes'
         routes with ``query_all`` for ``query``): same filters, order, cursor and headers."""
         params = request.query_params
         metadata = parse_metadata_query(params.get("metadata"))
@@ -490,7 +490,7 @@ class Gateway:
 
 
 def _merge(lists: list[Any], key: str) -> list[Any]:
-    """The items of several nodes' lists, each once (nodes of one registry list shared rows,
+    """The items of several nodes' lists, each once (nodes of one database list shared rows,
     e.g. snapshots, too): of two copies the one saying more wins (a snapshot's ``storage``
     comes from a node holding it), a node's own copy (``cached``) over that."""
     found: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """What a gateway answers at ``GET /node`` and ``GET /metrics`` (docs/CLUSTER.md "Operators").
 
-``/node``: the cluster as the registry has it: each node's row (state, heartbeat age, capacity)
+``/node``: the cluster as the database has it: each node's row (state, heartbeat age, capacity)
 and its sandboxes by state, plus totals over the nodes not lost. ``forkyard node status`` prints
 it (it tells a gateway's answer by its ``nodes`` key).
 
@@ -110,7 +110,7 @@ async def cluster_metrics(gw: Gateway) -> str:
     for node in await gw.nodes():
         states[node.state] = states.get(node.state, 0) + 1
     out += [
-        "# HELP forkyard_gateway_nodes Nodes in the registry, by state.",
+        "# HELP forkyard_gateway_nodes Nodes in the database, by state.",
         "# TYPE forkyard_gateway_nodes gauge",
     ]
     out += [f'forkyard_gateway_nodes{{state="{state}"}} {n}' for state, n in sorted(states.items())]

@@ -52,6 +52,7 @@ from forkyard.orchestrator import templates
 from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.envd_exec import EnvdExec, OutputSink, shell_argv, start_and_wait_ready
 from forkyard.orchestrator.ids import new_sandbox_id
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.template_snapshots import TemplateSnapshots
 from forkyard.runtime.base import Capability, Runtime
@@ -195,8 +196,12 @@ class TemplateBuilder:
         snapshots: TemplateSnapshots | None,
         background: Background | None = None,
         collect: Callable[[], Awaitable[None]] | None = None,
+        rowless: RowlessSandboxes | None = None,
     ) -> None:
         self._settings = settings
+        #: Makes and kills the build sandboxes (no database row; the server's one, shared with
+        #: ``snapshots``; the CLI gets its own).
+        self._rowless = rowless or RowlessSandboxes(runtimes)
         #: Frees the roots of builds a publish dropped once nothing stands on them (the
         #: orchestrator's collection); None (the CLI): the server's next collection does.
         self._collect = collect
@@ -385,7 +390,7 @@ class TemplateBuilder:
             self._fail(build, message, failed_step)
         finally:
             if runtime is not None and instance is not None:
-                await runtime.kill(instance)
+                await self._rowless.kill(instance)
             await asyncio.to_thread(shutil.rmtree, staging, True)
         if build.status != "error":
             build.status = "ready"
@@ -486,7 +491,7 @@ class TemplateBuilder:
         if parent is not None and parent.start is None and self._snapshots is not None:
             instance = await self._snapshots.sandbox_of(parent, runtime, sandbox)
         else:
-            instance = await runtime.create(sandbox)
+            instance = await self._rowless.create(runtime, sandbox, "build")
         build.log(f"Build sandbox {instance.sandbox_id} started", step=BASE_STEP)
         return instance
 

@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.runtime.base import Runtime
 from forkyard.storage import snapshots as storage
 from forkyard.storage import templates as template_storage
-from forkyard.storage.db import Registry
+from forkyard.storage.db import Database
 from forkyard.storage.db.schema import sandboxes
 from forkyard.storage.snapshots import SnapshotKind, SnapshotRow, SnapshotStore
 from forkyard.types import SandboxInstance, SandboxState, SnapshotRef, TemplateImage
@@ -111,11 +111,15 @@ class SnapshotCatalog:
         #: The snapshot store's side (uploads, fetches, the cache cap); None: node-local only.
         self.durable = durable
         self._runtimes = runtimes
-        if durable is not None:
-            durable.collect = lambda: self.collect_garbage(self._runtimes)
+        #: Told after every delete (the garbage collector's notice, see :mod:`.garbage`).
+        self._deleted: list[Callable[[], None]] = []
 
-    async def open(self, db: Registry) -> None:
-        """Open on the registry (the node's SQLite file, or a cluster's shared database)."""
+    def on_delete(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after each snapshot delete (what it stood on may be free now)."""
+        self._deleted.append(listener)
+
+    async def open(self, db: Database) -> None:
+        """Open on the database (the node's SQLite file, or a cluster's shared database)."""
         self._store = SnapshotStore(db, self._data_dir)
         await self._store.open()
         if self.durable is not None:
@@ -198,7 +202,7 @@ class SnapshotCatalog:
 
     async def find_user_snapshot(self, name_or_id: str) -> SnapshotRow | None:
         """A user snapshot by id or name: this node's, else one the snapshot store holds (taken
-        on another node, or before this node's registry was lost)."""
+        on another node, or before this node's database was lost)."""
         row = await self.store.find(name_or_id)
         if row is None and self.durable is not None:
             row = await self.durable.adopt(name_or_id)
@@ -218,6 +222,8 @@ class SnapshotCatalog:
         if self.durable is not None:
             await self.durable.delete(snapshot_id)
         await self.store.delete(snapshot_id)
+        for listener in self._deleted:
+            listener()
 
     async def sweep(self, paused: dict[str, str]) -> list[str]:
         """At start-up: drop uncommitted snapshot dirs, pause snapshots no paused sandbox owns
@@ -237,10 +243,12 @@ class SnapshotCatalog:
             await self.durable.recover()
         return removed
 
-    async def collect_garbage(self, runtimes: Iterable[Runtime]) -> None:
-        """Have every runtime free the disk layers no snapshot and no sandbox uses any more."""
+    async def collect_garbage(self) -> None:
+        """Have every runtime free the disk layers no snapshot and no sandbox uses any more, and
+        free the dropped template roots nothing stands on. Called by the one
+        :class:`~forkyard.orchestrator.garbage.GarbageCollector`, never by hand."""
         async with self._gc_lock:
-            for runtime in runtimes:
+            for runtime in self._runtimes:
 
                 async def live(name: str = runtime.name) -> list[SnapshotRef]:
                     return [self.store.ref(r) for r in await self.rows() if r.runtime == name]
@@ -270,7 +278,7 @@ class SnapshotCatalog:
             stmt = select(sandboxes.c.instance).where(sandboxes.c.state != str(SandboxState.KILLED))
             found = set()
             for (raw,) in conn.execute(stmt):
-                root = SandboxInstance(**json.loads(raw)).template_rootfs if raw else None
+                root = SandboxInstance.from_json(json.loads(raw)).template_rootfs if raw else None
                 if root:
                     found.add(root)
             return found

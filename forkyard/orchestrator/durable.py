@@ -7,7 +7,7 @@
   fetches what this node lacks first (the memory image whole, each missing disk layer by its
   chunks, the template root file system if the node has no such build).
 * ``POST /sandboxes`` naming a snapshot this node never had finds its manifest in the store and
-  adopts it (a registry row, no local copy yet): the cross-node case.
+  adopts it (a database row, no local copy yet): the cross-node case.
 * Past ``cache_max_mib`` the least recently used durable, unpinned copies are evicted, and the
   runtimes' layer collection frees the layers nothing else stands on (a running or paused
   sandbox's layers are named by the sandbox itself, so they are never freed).
@@ -38,7 +38,7 @@ from forkyard.errors import Gone, Unavailable
 from forkyard.orchestrator.background import Background
 from forkyard.storage import snapshots as storage
 from forkyard.storage.atomic import fsync_path, write_json_atomic
-from forkyard.storage.db import Registry
+from forkyard.storage.db import Database
 from forkyard.storage.layers import tree_bytes
 from forkyard.storage.objectstore import (
     Manifest,
@@ -142,7 +142,7 @@ class DurableSnapshots:
             raise RuntimeError("the snapshot catalog is not open")
         return self._store
 
-    async def open(self, db: Registry, store: SnapshotStore) -> None:
+    async def open(self, db: Database, store: SnapshotStore) -> None:
         self._copies = SnapshotCopies(db)
         self._store = store
         await self._copies.open()
@@ -367,13 +367,13 @@ class DurableSnapshots:
             raise Unavailable(f"snapshot {sid} is not on this node and {exc.message}") from exc
         if manifest is None:
             raise Gone(f"snapshot {sid} is neither on this node nor in {self.objects.backend.location}")
-        if row.node_id not in ("", self.copies.db.node_id):  # taken on another node of a shared registry
+        if row.node_id not in ("", self.copies.db.node_id):  # taken on another node of a shared database
             rootfs = await asyncio.to_thread(self._local_template, manifest)
             row = dataclasses.replace(row, info={**row.info, "template_rootfs": rootfs})
         started = time.monotonic()
         fetched = await asyncio.to_thread(self._fetch_sync, row, manifest)
         size = await asyncio.to_thread(tree_bytes, storage.final_path(self.data_dir, sid))
-        if await self.copies.get(sid) is None:  # another node's snapshot (a shared registry)
+        if await self.copies.get(sid) is None:  # another node's snapshot (a shared database)
             await self.copies.put(
                 CopyRow(sid, "durable", True, size, time.time(), uploaded_at=manifest.uploaded_at)
             )

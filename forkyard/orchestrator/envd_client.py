@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 import httpx
 
 from forkyard.errors import ForkyardError, Unavailable
 from forkyard.orchestrator.envd_exec import EnvdExec
 from forkyard.orchestrator.timing import utcnow
-from forkyard.runtime.base import Runtime
 from forkyard.types import ENVD_INIT_REVALIDATE, SANDBOX_USER, SandboxInstance
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,16 @@ WARM_UP_COMMAND = ["/bin/bash", "-l", "-c", "echo"]
 WARM_UP_TIMEOUT_S = 10.0
 
 
+class Kills(Protocol):
+    """Who kills a sandbox that is no one's yet (``rowless.RowlessSandboxes``)."""
+
+    async def kill(self, instance: SandboxInstance) -> None: ...
+
+
 async def initialised(
     client: EnvdClient,
     commands: EnvdExec,
-    runtime: Runtime,
+    owner: Kills,
     instance: SandboxInstance,
     envs: dict[str, str],
     access_token: str | None,
@@ -116,14 +122,14 @@ async def initialised(
     ``/init`` skips it. The command faults in what the first command after a restore touches
     (envd's process-start path, its captured login, the output path, bash's pages): without it
     a claim's first ``echo hi`` was 12 ms slower than its second (49.2 against 37.2 ms p50, 16
-    creates), with it 4 ms (41.5 against 37.3; docs/LATENCY.md, session 8). Killed if the
-    ``/init`` fails (no one else owns it yet); a warm-up that fails (a root without bash) or
+    creates), with it 4 ms (41.5 against 37.3; docs/LATENCY.md, session 8). Killed by ``owner``
+    if the ``/init`` fails (no one else owns it yet); a warm-up that fails (a root without bash) or
     hangs is only logged."""
     try:
         await client.init(instance, envs, access_token)
     except BaseException:
         with contextlib.suppress(Exception):
-            await runtime.kill(instance)
+            await owner.kill(instance)
         raise
     try:
         async with asyncio.timeout(WARM_UP_TIMEOUT_S):

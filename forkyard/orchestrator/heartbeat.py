@@ -1,11 +1,11 @@
-"""A cluster node's heartbeat: every ``node_heartbeat_seconds`` its row in the registry's
+"""A cluster node's heartbeat: every ``node_heartbeat_seconds`` its row in the database's
 ``nodes`` table is written with its capacity (what ``GET /node`` reports) so gateways can place
 sandboxes on it and see it alive; on a clean shutdown the row says ``draining`` (no new
 sandboxes; its sandboxes keep running and a restart re-attaches them).
 
 A node whose row a gateway marked ``lost`` (it missed heartbeats: partitioned, or stopped for
 longer than ``node_lost_after_seconds``) had its sandboxes' rows killed: the next beat puts the
-row back ``up`` and hands the node's sandboxes the registry now says are killed to ``reap``
+row back ``up`` and hands the node's sandboxes the database now says are killed to ``reap``
 (the orchestrator destroys them), so nothing runs that the cluster reports gone.
 """
 
@@ -73,7 +73,7 @@ class Heartbeat:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         n = schema.nodes
-        with contextlib.suppress(Exception):  # the registry may be gone first at shutdown
+        with contextlib.suppress(Exception):  # the database may be gone first at shutdown
             async with self.engine.begin() as conn:
                 await conn.execute(
                     update(n).where(n.c.node_id == self.node_id, n.c.state == "up").values(state="draining")

@@ -55,6 +55,7 @@ from forkyard.orchestrator.catalog import SnapshotCatalog, SnapshotMeta
 from forkyard.orchestrator.death_watch import DeathWatch
 from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.orchestrator.envd_client import EnvdClient
+from forkyard.orchestrator.garbage import GarbageCollector
 from forkyard.orchestrator.idempotency import IdempotencyCache
 from forkyard.orchestrator.ids import new_access_token, new_sandbox_id
 from forkyard.orchestrator.logs import SandboxLogs
@@ -62,6 +63,7 @@ from forkyard.orchestrator.metrics_history import MetricSample, MetricsHistory
 from forkyard.orchestrator.reaper import FrozenTierPolicy, Reaper
 from forkyard.orchestrator.recovery import Recovery, RecoveryActions
 from forkyard.orchestrator.route_table import Route, RouteTable
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.store import (
@@ -261,6 +263,7 @@ class Orchestrator:
         logs: SandboxLogs,
         telemetry: Telemetry,
         template_owner: TemplateOwner,
+        garbage: GarbageCollector,
     ) -> None:
         self.settings = settings
         self.runtimes = runtimes
@@ -274,6 +277,9 @@ class Orchestrator:
         self.telemetry = telemetry
         #: Template builds and deletes (of templates and of user snapshots: one namespace in E2B).
         self.template_owner = template_owner
+        #: Frees the disk layers and template roots nothing stands on; the catalog tells it of
+        #: every snapshot delete, :meth:`_release` of every released sandbox.
+        self.garbage = garbage
         self._locks: dict[str, asyncio.Lock] = {}
         #: Counting the node's sandboxes and inserting a new one are one step (``max_sandboxes``).
         self._admission = asyncio.Lock()
@@ -295,6 +301,7 @@ class Orchestrator:
             store,
             catalog,
             runtimes,
+            garbage,
             RecoveryActions(
                 is_alive=self._is_alive,
                 reattach=self._attach,
@@ -519,7 +526,6 @@ class Orchestrator:
         except (Failed, Unavailable, Gone) as exc:
             log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
             await self.template_snapshots.drop(snap)
-            self.background.spawn(self.catalog.collect_garbage(self.runtimes))
             return None
 
     async def _from_user_snapshot(self, row: SnapshotRow, req: CreateRequest) -> SandboxRecord:
@@ -546,7 +552,7 @@ class Orchestrator:
     async def _bring_up(
         self, rec: SandboxRecord, runtime: Runtime, source: Source, timeout_seconds: int
     ) -> SandboxRecord:
-        """The one way a sandbox comes up: registry row, runtime instance (boot, restore or a
+        """The one way a sandbox comes up: database row, runtime instance (boot, restore or a
         pooled one), envd ``/init``, running. Each step registers its undo; a failure undoes them
         newest first and leaves a killed record with the reason in its logs."""
         undo = Undo(f"bringing up sandbox {rec.sandbox_id}")
@@ -554,7 +560,7 @@ class Orchestrator:
         async with self._lock(rec.sandbox_id):
             await self._admit(rec, runtime, source)
             try:
-                undo.push("registry row", lambda: self._mark_failed(rec, runtime))
+                undo.push("database row", lambda: self._mark_failed(rec, runtime))
                 undo.push(
                     "runtime instance",
                     lambda: runtime.kill(
@@ -737,7 +743,7 @@ class Orchestrator:
         self.telemetry.observe("kill", "", time.monotonic() - started)
 
     async def reap_killed_elsewhere(self) -> list[str]:
-        """Stop the sandboxes running here whose registry rows say killed: a gateway found this
+        """Stop the sandboxes running here whose database rows say killed: a gateway found this
         node lost (cluster mode) while they ran on; the cluster already reports them gone.
         (At start-up recovery needs nothing extra: a killed row is not re-attached, and
         ``cleanup_orphans`` removes what no live row names.)"""
@@ -796,8 +802,8 @@ class Orchestrator:
     async def _release(
         self, runtime: Runtime, instance: SandboxInstance, pause_snapshot: str | None, *, runtime_done: bool
     ) -> None:
-        """Free what a killed sandbox held: its runtime resources (unless ``runtime_done``), its
-        pause snapshot, then the disk layers nothing uses any more."""
+        """Free what a killed sandbox held: its runtime resources (unless ``runtime_done``) and
+        its pause snapshot; the disk layers nothing uses any more go in the collector's next run."""
         if not runtime_done:
             try:
                 await runtime.kill(instance)
@@ -805,7 +811,7 @@ class Orchestrator:
                 log.warning("releasing killed sandbox %s failed: %s", instance.sandbox_id, exc)
         if pause_snapshot:
             await self.catalog.delete(pause_snapshot)
-        await self.catalog.collect_garbage(self.runtimes)
+        self.garbage.notify()
 
     async def set_timeout(self, sandbox_id: str, timeout_seconds: int) -> SandboxRecord:
         """The sandbox now expires ``timeout_seconds`` from now (shorter or longer)."""
@@ -1040,8 +1046,7 @@ class Orchestrator:
             duration_ms=str(elapsed_ms(started)),
         )
         if row is not None:
-            await self.catalog.delete(row.snapshot_id)
-            self.background.spawn(self.catalog.collect_garbage(self.runtimes), name="collect-layers")
+            await self.catalog.delete(row.snapshot_id)  # its layers: collected in the background
         return rec
 
     async def _thaw(self, rec: SandboxRecord) -> None:
@@ -1318,7 +1323,6 @@ class Orchestrator:
             # Children stand on the snapshot's disk layers (they hold them) and the runtime has
             # read the memory image: the snapshot itself is not needed any more.
             await self.catalog.delete(row.snapshot_id)
-            await self.catalog.collect_garbage(self.runtimes)
         self.telemetry.observe("fork", str(count), time.monotonic() - started)
         if each is not None:  # each child's timeout restarted when it was handed out
             return list(outcomes)
@@ -1407,21 +1411,23 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
     runtimes = RuntimeSet(settings, runtime)
     store = SandboxStore.from_settings(settings)
     background = Background()
-    catalog = SnapshotCatalog(
+    durable = DurableSnapshots(
         settings.data_dir,
-        durable=DurableSnapshots(
-            settings.data_dir,
-            settings.s3,
-            templates_dir=settings.templates_dir,
-            objects=SnapshotObjects.from_settings(settings.s3),
-            background=background,
-        ),
-        runtimes=runtimes,
+        settings.s3,
         templates_dir=settings.templates_dir,
+        objects=SnapshotObjects.from_settings(settings.s3),
+        background=background,
     )
+    catalog = SnapshotCatalog(
+        settings.data_dir, durable=durable, runtimes=runtimes, templates_dir=settings.templates_dir
+    )
+    garbage = GarbageCollector(catalog.collect_garbage, background)
+    catalog.on_delete(garbage.notify)
+    durable.collect = garbage.collect  # its cache cap measures again after each eviction
     envd = EnvdClient()
-    template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd)
-    standbys = Standbys(settings, catalog, runtimes, envd)
+    rowless = RowlessSandboxes(runtimes)  # the node's own sandboxes: template snapshots, pools, builds
+    template_snapshots = TemplateSnapshots(settings, catalog, runtimes, background, envd, rowless)
+    standbys = Standbys(settings, catalog, runtimes, envd, rowless)
     return Orchestrator(
         settings,
         runtimes=runtimes,
@@ -1440,5 +1446,8 @@ def build_orchestrator(settings: Settings, runtime: Runtime) -> Orchestrator:
             template_snapshots=template_snapshots,
             standbys=standbys,
             background=background,
+            garbage=garbage,
+            rowless=rowless,
         ),
+        garbage=garbage,
     )

@@ -1,5 +1,5 @@
 """A sandbox's logs: the orchestrator's events plus the lines of its runtime log files (envd's
-output), moved into the registry so they outlive the sandbox's scratch directory."""
+output), moved into the database so they outlive the sandbox's scratch directory."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Warm pools: sandboxes restored from a template's snapshot ahead of demand.
 
-A create from a template whose pool holds a sandbox only claims it (a registry row and envd's
+A create from a template whose pool holds a sandbox only claims it (a database row and envd's
 ``/init`` with the caller's env vars and access token) instead of restoring or booting. Each
 pool has two watermarks: when a claim leaves fewer than ``low`` sandboxes, the pool is refilled,
 one restore at a time, up to ``high``. ``high = 0`` turns pooling off.
@@ -10,7 +10,7 @@ A refill waits until no sandbox was claimed for ``quiet_seconds`` (at most
 milliseconds, and right after a claim the client sends its first commands. Measured on a 2-core
 machine: a claim's first command took 50-150 ms while a refill ran, 25-35 ms without one.
 
-Pooled sandboxes are runtime instances without a registry row, so a crashed server's start-up
+Pooled sandboxes are runtime instances without a database row, so a crashed server's start-up
 clean-up (``Runtime.cleanup_orphans``) removes them like any other leak; a clean shut-down kills
 them.
 """
@@ -163,7 +163,7 @@ class WarmPool:
             try:
                 await self._kill(instance)
             except Exception:
-                # The others must still go; a pooled sandbox left behind has no registry row, so the
+                # The others must still go; a pooled sandbox left behind has no database row, so the
                 # next start-up's orphan clean-up removes it.
                 log.exception("warm pool %s: killing pooled sandbox %s failed", key, instance.sandbox_id)
 

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from forkyard.orchestrator.catalog import SnapshotCatalog
+from forkyard.orchestrator.garbage import GarbageCollector
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.store import PauseTier, SandboxRecord, SandboxStore
 from forkyard.types import KEPT_BY_RECOVERY, LIVE_STATES, SandboxState
@@ -39,11 +40,17 @@ class RecoveryActions:
 
 class Recovery:
     def __init__(
-        self, store: SandboxStore, catalog: SnapshotCatalog, runtimes: RuntimeSet, actions: RecoveryActions
+        self,
+        store: SandboxStore,
+        catalog: SnapshotCatalog,
+        runtimes: RuntimeSet,
+        garbage: GarbageCollector,
+        actions: RecoveryActions,
     ) -> None:
         self._store = store
         self._catalog = catalog
         self._runtimes = runtimes
+        self._garbage = garbage
         self._act = actions
 
     async def run(self) -> None:
@@ -55,7 +62,7 @@ class Recovery:
         removed = await self._catalog.sweep(paused)
         if removed:
             log.info("snapshot recovery removed %s", ", ".join(removed))
-        await self._catalog.collect_garbage(self._runtimes)
+        await self._garbage.collect()
 
     async def _recover_live(self) -> None:
         """Re-attach sandboxes that survived a server restart, revive a fork's parent a crash

@@ -8,7 +8,7 @@ from typing import cast
 from forkyard.config import Settings
 from forkyard.errors import Failed
 from forkyard.runtime.base import Runtime
-from forkyard.runtime.registry import get_runtime
+from forkyard.runtime.kinds import get_runtime
 from forkyard.types import RUNTIME_NAMES, RuntimeName, TemplateImage
 
 

@@ -14,8 +14,9 @@ claims 16 standbys from its second group on. Standbys beyond ``snapshot_standbys
 while the node has more than ``pause_min_available_mib`` of memory available (below it frozen
 sandboxes are moved to disk: standbys must not push them there).
 
-Standbys have no registry row: a crashed server's start-up clean-up removes them like any leak,
-a clean shut-down kills them.
+Standbys have no database row: they are made and killed through
+:class:`~forkyard.orchestrator.rowless.RowlessSandboxes`, a crashed server's start-up clean-up
+removes them like any leak, a clean shut-down kills them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from forkyard.orchestrator.envd_client import EnvdClient, initialised
 from forkyard.orchestrator.envd_exec import EnvdExec
 from forkyard.orchestrator.ids import new_sandbox_id
 from forkyard.orchestrator.pool import WarmPool
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.storage.snapshots import SnapshotRow
 from forkyard.types import SandboxInstance, SandboxSpec
@@ -63,9 +65,15 @@ class _Demand:
 
 class Standbys:
     def __init__(
-        self, settings: Settings, catalog: SnapshotCatalog, runtimes: RuntimeSet, envd_client: EnvdClient
+        self,
+        settings: Settings,
+        catalog: SnapshotCatalog,
+        runtimes: RuntimeSet,
+        envd_client: EnvdClient,
+        rowless: RowlessSandboxes,
     ) -> None:
         self._settings = settings
+        self._rowless = rowless
         self._envd_client = envd_client
         self._commands = EnvdExec()
         self._catalog = catalog
@@ -106,6 +114,8 @@ class Standbys:
         if sid in self._rows:
             self._rows.move_to_end(sid)
             instance = self.pool.take(sid)
+            if instance is not None:
+                self._rowless.claimed(instance)  # the caller's now: a user sandbox
             if self.pool.ready(sid) < self.wanted(sid):
                 self.pool.fill(sid)  # a larger group than before: grow (no-op while filling)
             return instance
@@ -139,14 +149,14 @@ class Standbys:
         )
         runtime = self._runtimes.named(row.runtime)
         async with self._catalog.use(row) as ref:  # fetched first if its copy was evicted
-            instance = await runtime.restore(spec, ref)
+            instance = await self._rowless.restore(runtime, spec, ref, "standby")
         # envd in the image holds the source's token: the same /init a restore of it gets.
         return await initialised(
-            self._envd_client, self._commands, runtime, instance, meta.envs, meta.envd_access_token
+            self._envd_client, self._commands, self._rowless, instance, meta.envs, meta.envd_access_token
         )
 
     async def _kill(self, instance: SandboxInstance) -> None:
-        await self._runtimes.named(instance.runtime).kill(instance)
+        await self._rowless.kill(instance)
 
     async def close(self) -> None:
         await self.pool.close()

@@ -1,4 +1,4 @@
-"""The sandbox registry: SQLAlchemy Core over the node's SQLite file (``settings.db_path``) or a
+"""The sandbox store: SQLAlchemy Core over the node's SQLite file (``settings.db_path``) or a
 cluster's shared PostgreSQL (``settings.database_url``); tables in :mod:`forkyard.storage.db.schema`.
 
 - ``sandboxes``: one row per sandbox ever created (killed ones stay, so their logs and ids remain
@@ -36,7 +36,7 @@ from sqlalchemy import (
 )
 
 from forkyard.config import Settings
-from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.db import Database, open_database_at
 from forkyard.storage.db.schema import sandbox_logs, sandboxes
 from forkyard.types import LISTED_STATES, EgressPolicy, SandboxInstance, SandboxState
 
@@ -142,7 +142,7 @@ def _to_row(rec: SandboxRecord) -> dict[str, Any]:
         "memory_mb": rec.memory_mb,
         "disk_mb": rec.disk_mb,
         "runtime": rec.runtime,
-        "instance": json.dumps(asdict(rec.instance)) if rec.instance else None,
+        "instance": json.dumps(rec.instance.to_json()) if rec.instance else None,
         "envd_version": rec.envd_version,
         "envd_access_token": rec.envd_access_token,
         "traffic_access_token": rec.traffic_access_token,
@@ -183,7 +183,7 @@ def _from_row(row: RowMapping) -> SandboxRecord:
         memory_mb=row["memory_mb"],
         disk_mb=row["disk_mb"],
         runtime=row["runtime"],
-        instance=SandboxInstance(**instance) if instance else None,
+        instance=SandboxInstance.from_json(instance) if instance else None,
         envd_version=row["envd_version"],
         envd_access_token=row["envd_access_token"],
         traffic_access_token=row["traffic_access_token"],
@@ -266,35 +266,35 @@ _ADD_LOG = insert(sandbox_logs)
 
 
 class SandboxStore:
-    """Async access to the registry's sandboxes and their logs, as one node (``node_id``).
+    """Async access to the database's sandboxes and their logs, as one node (``node_id``).
 
-    Every write is one transaction (:meth:`Registry.write`; on SQLite all of them run on the
-    registry's one thread, in order, as the single aiosqlite connection used to)."""
+    Every write is one transaction (:meth:`Database.write`; on SQLite all of them run on the
+    database's one thread, in order, as the single aiosqlite connection used to)."""
 
     def __init__(self, path: Path, *, database_url: str = "", node_id: str = "") -> None:
         self._url = database_url or f"sqlite+aiosqlite:///{path}"
         self._shared = bool(database_url)
         self.node_id = node_id or socket.gethostname()
-        self._registry: Registry | None = None
+        self._database: Database | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SandboxStore:
         return cls(settings.db_path, database_url=settings.database_url, node_id=settings.node_name)
 
     async def open(self) -> None:
-        self._registry = await open_registry_at(self._url, self.node_id, shared=self._shared)
+        self._database = await open_database_at(self._url, self.node_id, shared=self._shared)
 
     async def close(self) -> None:
-        if self._registry is not None:
-            await self._registry.close()
-            self._registry = None
+        if self._database is not None:
+            await self._database.close()
+            self._database = None
 
     @property
-    def db(self) -> Registry:
-        """The open registry (the snapshot catalog shares it)."""
-        if self._registry is None:
+    def db(self) -> Database:
+        """The open database (the snapshot catalog shares it)."""
+        if self._database is None:
             raise RuntimeError("sandbox store is not open")
-        return self._registry
+        return self._database
 
     async def _rows(self, stmt: Select[Any]) -> list[RowMapping]:
         return await self.db.read(lambda conn: list(conn.execute(stmt).mappings()))

@@ -23,39 +23,39 @@ class Telemetry:
     def __init__(self, data_dir: Path | None = None) -> None:
         #: Where the node keeps sandboxes and snapshots: its disk capacity is measured there.
         self.data_dir = data_dir
-        self.registry = CollectorRegistry()
+        self.collectors = CollectorRegistry()
         self._durations = Histogram(
             "forkyard_lifecycle_seconds",
             "Duration of lifecycle operations (operation: create, pause, resume, move_to_disk, "
             "snapshot, fork, kill; detail: origin of a create, pause tier of a pause or resume)",
             ["operation", "detail"],
             buckets=BUCKETS,
-            registry=self.registry,
+            registry=self.collectors,
         )
         self._sandboxes = Gauge(
             "forkyard_sandboxes",
             "Sandboxes on this node by state, pause tier and runtime",
             ["state", "tier", "runtime"],
-            registry=self.registry,
+            registry=self.collectors,
         )
-        self._cpus = Gauge("forkyard_node_cpus", "CPUs of the node", registry=self.registry)
+        self._cpus = Gauge("forkyard_node_cpus", "CPUs of the node", registry=self.collectors)
         self._memory = Gauge(
             "forkyard_node_memory_bytes",
             "Node memory (kind: total, available)",
             ["kind"],
-            registry=self.registry,
+            registry=self.collectors,
         )
         self._disk = Gauge(
             "forkyard_node_disk_bytes",
             "File system of the node's data directory (kind: total, free)",
             ["kind"],
-            registry=self.registry,
+            registry=self.collectors,
         )
         self._allotted = Gauge(
             "forkyard_node_allotted",
             "What running sandboxes are allotted (resource: vcpus, memory_bytes, disk_bytes)",
             ["resource"],
-            registry=self.registry,
+            registry=self.collectors,
         )
 
     def observe(self, operation: str, detail: str, seconds: float) -> None:
@@ -67,7 +67,7 @@ class Telemetry:
         for rec in live:
             self._sandboxes.labels(state=str(rec.state), tier=rec.pause_tier or "", runtime=rec.runtime).inc()
         self._capacity([r for r in live if r.state == SandboxState.RUNNING])
-        return generate_latest(self.registry)
+        return generate_latest(self.collectors)
 
     def _capacity(self, running: list[SandboxRecord]) -> None:
         self._cpus.set(os.cpu_count() or 1)

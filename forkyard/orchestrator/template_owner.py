@@ -18,6 +18,8 @@ from forkyard.errors import Conflict, Forbidden, NotFound
 from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.builder import TemplateBuilder
 from forkyard.orchestrator.catalog import SnapshotCatalog
+from forkyard.orchestrator.garbage import GarbageCollector
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.standbys import Standbys
 from forkyard.orchestrator.template_snapshots import TemplateSnapshots
@@ -43,23 +45,21 @@ class TemplateOwner:
         template_snapshots: TemplateSnapshots,
         standbys: Standbys,
         background: Background,
+        garbage: GarbageCollector,
+        rowless: RowlessSandboxes,
     ) -> None:
         self._settings = settings
         self._catalog = catalog
-        self._runtimes = runtimes
         self._template_snapshots = template_snapshots
         self._standbys = standbys
+        self._garbage = garbage
         self.builder = TemplateBuilder(
-            settings, runtimes, template_snapshots, background, collect=self.collect_garbage
+            settings, runtimes, template_snapshots, background, collect=garbage.collect, rowless=rowless
         )
 
     async def close(self) -> None:
         """After the server's background work is drained (builds under way are cancelled there)."""
         await self.builder.close()
-
-    async def collect_garbage(self) -> None:
-        """Free the disk layers and template roots nothing stands on any more."""
-        await self._catalog.collect_garbage(self._runtimes)
 
     async def delete(self, template_id: str) -> None:
         """E2B's ``DELETE /templates/{templateID}``: a user snapshot or a built template."""
@@ -83,7 +83,7 @@ class TemplateOwner:
     async def _delete_snapshot(self, row: SnapshotRow) -> None:
         await self._standbys.forget(row.snapshot_id)
         await self._catalog.delete(row.snapshot_id)
-        await self.collect_garbage()
+        await self._garbage.settled()  # the delete answers once what it freed is gone
 
     @staticmethod
     def _template_name(key: str) -> str:
@@ -110,7 +110,7 @@ class TemplateOwner:
             storage.delete_template(name, self._settings)
         # Its builds' roots go now unless a sandbox or snapshot stands on them (E2B's: those keep
         # running and restoring); then when the last of them goes.
-        await self.collect_garbage()
+        await self._garbage.collect()
 
     async def _settle_template_snapshots(self, name: str) -> None:
         """Wait for the template's snapshots being made in the background (a create of an older

@@ -5,7 +5,8 @@ one more sandbox of it in the background and snapshots it with envd answering; l
 restore that snapshot, or claim a sandbox the warm pool restored from it ahead of demand. A
 template snapshot is valid for one runtime, one template build and one envd bundle (its key).
 
-The sandboxes booted here to be snapshotted, and the pooled ones, have no registry row: a
+The sandboxes booted here to be snapshotted, the pooled ones and a build's have no database row:
+they are made and killed through :class:`~forkyard.orchestrator.rowless.RowlessSandboxes`, and a
 crashed server's start-up clean-up (``Runtime.cleanup_orphans``) removes them like any leak.
 """
 
@@ -24,6 +25,7 @@ from forkyard.orchestrator.envd_client import EnvdClient, initialised
 from forkyard.orchestrator.envd_exec import EnvdExec, start_and_wait_ready
 from forkyard.orchestrator.ids import new_sandbox_id
 from forkyard.orchestrator.pool import WarmPool
+from forkyard.orchestrator.rowless import RowlessSandboxes
 from forkyard.orchestrator.runtimes import RuntimeSet
 from forkyard.orchestrator.timing import elapsed_ms
 from forkyard.runtime.base import Runtime
@@ -50,9 +52,11 @@ class TemplateSnapshots:
         runtimes: RuntimeSet,
         background: Background,
         envd_client: EnvdClient,
+        rowless: RowlessSandboxes,
     ) -> None:
         self._settings = settings
         self._envd_client = envd_client
+        self._rowless = rowless
         self._catalog = catalog
         self._runtimes = runtimes
         self._background = background
@@ -92,8 +96,12 @@ class TemplateSnapshots:
         return snap
 
     def claim(self, snap: TemplateSnapshot) -> SandboxInstance | None:
-        """A pooled sandbox restored from ``snap``, or None (restore one instead)."""
-        return self.pool.take(snap.key)
+        """A pooled sandbox restored from ``snap``, or None (restore one instead); the caller's
+        from now on (a user sandbox)."""
+        instance = self.pool.take(snap.key)
+        if instance is not None:
+            self._rowless.claimed(instance)
+        return instance
 
     async def drop(self, snap: TemplateSnapshot) -> None:
         """Forget a template snapshot that would not restore (its pool too): the next create boots."""
@@ -136,15 +144,15 @@ class TemplateSnapshots:
     async def sandbox_of(
         self, info: templates.TemplateInfo, runtime: Runtime, spec: SandboxSpec
     ) -> SandboxInstance:
-        """A sandbox of the template with no registry row (a template build's): restored from
+        """A sandbox of the template with no database row (a template build's): restored from
         the template's snapshot when it has one (a fraction of a boot), else booted."""
         snap = await self.lookup(info, runtime)
         if snap is not None:
             try:
-                return await runtime.restore(spec, self._catalog.ref(snap.row))
+                return await self._rowless.restore(runtime, spec, self._catalog.ref(snap.row), "build")
             except (Failed, Unavailable, Gone) as exc:
                 log.warning("restoring template snapshot %s failed (%s); booting instead", snap.key, exc)
-        return await runtime.create(spec)
+        return await self._rowless.create(runtime, spec, "build")
 
     async def start_command(
         self, info: templates.TemplateInfo, instance: SandboxInstance, access_token: str | None
@@ -176,7 +184,7 @@ class TemplateSnapshots:
         image = info.image
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=image)
         started = time.monotonic()
-        instance = await runtime.create(spec)
+        instance = await self._rowless.create(runtime, spec, "template-snapshot")
         try:
             if info.start is not None:
                 await start_and_wait_ready(self._envd, instance, image.rootfs, info.start)
@@ -196,7 +204,7 @@ class TemplateSnapshots:
                 name=key,
             )
         finally:
-            await runtime.kill(instance)
+            await self._rowless.kill(instance)
         log.info("template snapshot %s of %s made in %s ms", row.snapshot_id, key, elapsed_ms(started))
         return row
 
@@ -208,11 +216,11 @@ class TemplateSnapshots:
         snap = self._known[key]
         spec = SandboxSpec(sandbox_id=new_sandbox_id(), template=snap.image, ahead_of_demand=True)
         async with self._catalog.use(snap.row) as ref:  # fetched first if its copy was evicted
-            instance = await snap.runtime.restore(spec, ref)
-        return await initialised(self._envd_client, self._envd, snap.runtime, instance, {}, None)
+            instance = await self._rowless.restore(snap.runtime, spec, ref, "warm-pool")
+        return await initialised(self._envd_client, self._envd, self._rowless, instance, {}, None)
 
     async def _kill_pooled(self, instance: SandboxInstance) -> None:
-        await self._runtimes.named(instance.runtime).kill(instance)
+        await self._rowless.kill(instance)
 
     async def warm_up(self) -> None:
         """At start-up: snapshot and pool the templates named in ``warm_pool_templates`` and those

@@ -112,14 +112,13 @@ class Runtime(abc.ABC):
         self, instance: SandboxInstance, *, allow_internet_access: bool, egress: EgressPolicy | None
     ) -> None:
         """Replace a running sandbox's outbound policy in place (``network.update_egress``).
-        Every runtime keeps its :class:`~forkyard.runtime.network.SandboxNetwork` in
-        ``instance.network_state``; one that keeps none cannot."""
-        state = instance.network_state
-        if not state:  # a 409 (the endpoint's documented refusal), not a server error
+        Every runtime records the sandbox's link in ``instance.network``; a sandbox without one
+        cannot."""
+        if instance.network is None:  # a 409 (the endpoint's documented refusal), not a server error
             raise Conflict(f"sandbox {instance.sandbox_id} has no network of its own to update")
         await network.update_egress(
             self.settings,
-            network.SandboxNetwork.from_state(state),
+            instance.network,
             allow_internet_access=allow_internet_access,
             egress=egress,
         )

@@ -1,5 +1,6 @@
 """Which Firecracker releases the firecracker runtime speaks to, and the check a binary must pass
-(beside the runtime package: the registry checks a binary without importing a concrete runtime).
+(beside the runtime package: the runtime catalogue, kinds.py, checks a binary without importing a
+concrete runtime).
 
 The API bodies the runtime sends are checked against Firecracker 1.17's published schema (tests/
 data/firecracker) and ran for real against v1.12.1 (the emulated KVM host, docs/KVM.md); a binary

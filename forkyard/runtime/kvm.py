@@ -1,5 +1,5 @@
 """Whether this host's /dev/kvm can run guests: asked by every runtime that can use KVM
-(gVisor's kvm platform, QEMU's accelerator, Firecracker) and by the runtime registry."""
+(gVisor's kvm platform, QEMU's accelerator, Firecracker) and by the runtime catalogue (kinds.py)."""
 
 from __future__ import annotations
 

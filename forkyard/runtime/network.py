@@ -82,7 +82,6 @@ import socket
 import subprocess
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -92,7 +91,7 @@ from forkyard.config import Settings
 from forkyard.errors import Failed, Invalid, Unavailable
 from forkyard.runtime import egress_proxy, netlink
 from forkyard.storage.atomic import exclusive
-from forkyard.types import EgressPolicy
+from forkyard.types import NETNS_DIR, EgressPolicy, SandboxNetwork
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,37 +110,12 @@ REDIRECT_CHAIN_PREFIX = "AEP-"
 DOMAIN_PORTS = (egress_proxy.HTTP_PORT, egress_proxy.TLS_PORT)
 #: What a sandbox with internet access may not reach unless its ``allow_out`` names it.
 DEFAULT_DENIED = ("169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
-NETNS_DIR = Path("/var/run/netns")
 #: Serialises creation of the shared chains and hooks among all forkyard processes on the host.
 GLOBAL_LOCK = Path("/run/forkyard-net.lock")
 
 
 class NetworkError(Failed):
     """A network command failed, or the sandbox subnet cannot hold the link asked for."""
-
-
-@dataclass(frozen=True)
-class SandboxNetwork:
-    sandbox_id: str
-    netns: str
-    slot: int
-    host_if: str
-    sandbox_if: str
-    host_ip: str
-    sandbox_ip: str
-    prefixlen: int = 30
-    allow_internet_access: bool = True
-
-    @property
-    def netns_path(self) -> str:
-        return str(NETNS_DIR / self.netns)
-
-    def to_state(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> SandboxNetwork:
-        return cls(**state)
 
 
 def netns_name(sandbox_id: str) -> str:

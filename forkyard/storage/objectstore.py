@@ -6,7 +6,7 @@ Layout under the store's prefix::
     chunks/<sha256>               lz4-framed bytes of one chunk (the hash is of the raw bytes)
     layers/<layer_id>.json        a disk layer: the chunks of its tar archive, in order
     templates/<id>-<build>.json   a template root file system, the same way
-    snapshots/<snapshot_id>.json  a snapshot: its registry row, its files (memory image,
+    snapshots/<snapshot_id>.json  a snapshot: its database row, its files (memory image,
                                   meta.json) cut into chunks, the layers and template it names
     names/<name>.json             the newest user snapshot of that name
 
@@ -286,7 +286,7 @@ class TemplateRef:
 @dataclass
 class Manifest:
     snapshot_id: str
-    #: The registry row (``SnapshotRow`` fields as JSON) and where the node took it.
+    #: The database row (``SnapshotRow`` fields as JSON) and where the node took it.
     row: dict[str, Any]
     files: list[FileEntry]
     layers: list[str]

@@ -1,7 +1,7 @@
 """This node's side of the snapshot store: which snapshots are durable (stored), which have a local
 copy, when each was last used, and which local copies to evict when the cache is over its cap.
 
-One row per snapshot and node in the ``snapshot_copies`` table of the registry database (a cluster's
+One row per snapshot and node in the ``snapshot_copies`` table of the database (a cluster's
 nodes each keep their own copies of the shared snapshots; this class sees only its node's rows):
 
 * ``state``: ``local`` (committed here only), ``uploading``, ``durable`` (the store holds it:
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from sqlalchemy import ColumnElement, Connection, RowMapping, delete, insert, select, update
 
-from forkyard.storage.db import Registry
+from forkyard.storage.db import Database
 from forkyard.storage.db.schema import snapshot_copies
 
 CopyState = Literal["local", "uploading", "durable", "failed"]
@@ -74,12 +74,12 @@ def _row(r: RowMapping) -> CopyRow:
 class SnapshotCopies:
     """This node's rows of the ``snapshot_copies`` table, and the in-memory pins."""
 
-    def __init__(self, db: Registry) -> None:
+    def __init__(self, db: Database) -> None:
         self.db = db
         self._pins: Counter[str] = Counter()
 
     async def open(self) -> None:
-        """Nothing to do: opening the registry made the table (its migrations)."""
+        """Nothing to do: opening the database made the table (its migrations)."""
 
     def _mine(self, snapshot_id: str | None = None) -> ColumnElement[bool]:
         here = snapshot_copies.c.node_id == self.db.node_id

@@ -1,4 +1,4 @@
-"""Snapshots on disk: ``{data_dir}/snapshots/<snapshot_id>/`` plus a row in the registry.
+"""Snapshots on disk: ``{data_dir}/snapshots/<snapshot_id>/`` plus a row in the database.
 
 Crash safety: a snapshot is written into ``snapshots/.tmp-<snapshot_id>-<pid>/``, committed by a
 durable rename to its final name (:func:`forkyard.storage.atomic.publish`), then recorded in the
@@ -27,7 +27,7 @@ from typing import Any, Literal
 from sqlalchemy import RowMapping, Select, delete, insert, select
 
 from forkyard.storage.atomic import publish
-from forkyard.storage.db import Registry
+from forkyard.storage.db import Database
 from forkyard.storage.db.schema import snapshots
 from forkyard.types import SnapshotRef
 
@@ -50,7 +50,7 @@ class SnapshotRow:
     parent_id: str | None = None
     name: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    #: The node that took it (its ``info`` paths are that node's); set when read from the registry.
+    #: The node that took it (its ``info`` paths are that node's); set when read from the database.
     node_id: str = ""
 
 
@@ -103,14 +103,14 @@ def _row(r: RowMapping) -> SnapshotRow:
 
 
 class SnapshotStore:
-    """The ``snapshots`` table, in the registry's database (the sandbox store's engine)."""
+    """The ``snapshots`` table, in the database (the sandbox store's engine)."""
 
-    def __init__(self, db: Registry, data_dir: Path) -> None:
+    def __init__(self, db: Database, data_dir: Path) -> None:
         self.db = db
         self.data_dir = data_dir
 
     async def open(self) -> None:
-        """Nothing to do: opening the registry made the table (its migrations)."""
+        """Nothing to do: opening the database made the table (its migrations)."""
 
     def ref(self, row: SnapshotRow) -> SnapshotRef:
         return SnapshotRef(snapshot_id=row.snapshot_id, path=final_path(self.data_dir, row.snapshot_id))

@@ -71,7 +71,7 @@ def forkyard_data_dir() -> Iterator[Path]:
 
 def _cleanup_runtimes(settings: Settings) -> list[str]:
     """Let every usable runtime remove what tests leaked in ``settings.data_dir``."""
-    from forkyard.runtime.registry import get_runtime, runtime_names
+    from forkyard.runtime.kinds import get_runtime, runtime_names
 
     leaked: list[str] = []
     for name in runtime_names():
@@ -106,7 +106,7 @@ def envd_bundle(forkyard_settings: Settings) -> Path:
 
 @pytest.fixture(scope="session")
 def runtime_factory(forkyard_settings: Settings) -> RuntimeFactory:
-    from forkyard.runtime.registry import get_runtime
+    from forkyard.runtime.kinds import get_runtime
 
     def make(name: str) -> Runtime:
         runtime = get_runtime(cast("RuntimeName", name), forkyard_settings)

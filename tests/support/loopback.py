@@ -193,7 +193,8 @@ class LoopbackRuntime(Runtime):
             runtime=self.name,
             envd_url=f"http://{address}:{ENVD_PORT}",
             address=address,
-            state={"address": address, "template_rootfs": str(spec.template.rootfs)},
+            state={"address": address},
+            template_rootfs=str(spec.template.rootfs),
         )
 
     async def kill(self, instance: SandboxInstance) -> None:

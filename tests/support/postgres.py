@@ -127,7 +127,7 @@ BACKENDS = ("sqlite", "postgresql")
 
 
 @pytest.fixture(params=BACKENDS)
-def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty registry database's URL: a SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path / 'registry.sqlite3'}"

@@ -20,6 +20,7 @@ from forkyard.errors import Failed, Gone
 from forkyard.runtime.gvisor import cgroups, disk, platforms
 from forkyard.runtime.gvisor.runsc import CONTROL_SOCKET_DIRS, Runsc
 from forkyard.runtime.gvisor.runtime import GvisorRuntime
+from forkyard.runtime.gvisor.state import GvisorState
 from forkyard.types import SandboxInstance, SandboxSpec, SnapshotRef, TemplateImage
 from tests.support import leaks, unique_id
 from tests.support.fixtures import RuntimeFactory, SandboxFactory
@@ -249,7 +250,8 @@ async def test_cleanup_orphans(gvisor: GvisorRuntime, base_template: TemplateIma
         assert leftovers(gvisor, orphan_id) == {}
         assert await gvisor.is_alive(keep)
         assert not stale.exists()  # an envd bundle nobody uses any more
-        assert (gvisor.settings.data_dir / "envd-runtime" / Path(keep.state["envd_bundle"]).name).exists()
+        kept_bundle = Path(GvisorState.of(keep).envd_bundle).name
+        assert (gvisor.settings.data_dir / "envd-runtime" / kept_bundle).exists()
     finally:
         await gvisor.kill(keep)
     assert leftovers(gvisor, keep_id) == {}

@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from forkyard.config import Settings
 from forkyard.runtime.gvisor.runtime import GvisorRuntime
-from forkyard.types import SandboxInstance, SandboxSpec, TemplateImage
+from forkyard.types import SandboxInstance, SandboxNetwork, SandboxSpec, TemplateImage
 from tests.support import SHARED_TEMPLATES, unique_id
 from tests.system.test_gvisor import leftovers, run
 
@@ -218,7 +218,7 @@ async def test_cannot_see_other_sandbox(offline: SandboxInstance, online: Sandbo
 async def test_offline_sandbox_reaches_nothing(
     offline: SandboxInstance, test_host: FakeInternetHost, host_listener: int
 ) -> None:
-    gateway = offline.state["network"]["host_ip"]
+    gateway = _link(offline).host_ip
     assert (await connect_from(offline, test_host.address, test_host.port)).startswith("BLOCKED")
     assert (await connect_from(offline, gateway, host_listener)).startswith("BLOCKED")
     assert (await connect_from(offline, "127.0.0.1", 49983)).startswith("OPEN")  # its own loopback
@@ -227,7 +227,7 @@ async def test_offline_sandbox_reaches_nothing(
 async def test_online_sandbox_reaches_internet_but_not_host(
     online: SandboxInstance, test_host: FakeInternetHost, host_listener: int
 ) -> None:
-    gateway = online.state["network"]["host_ip"]
+    gateway = _link(online).host_ip
     assert await connect_from(online, test_host.address, test_host.port) == "OPEN b'pong'"
     assert (await connect_from(online, gateway, host_listener)).startswith("BLOCKED")
     # The host itself still talks to envd in both directions of that connection.
@@ -248,4 +248,9 @@ async def test_kill_leaves_nothing(gvisor: GvisorRuntime, base_template: Templat
         rules = await asyncio.to_thread(command_output, "iptables-save")
         assert f"ae-{spec.sandbox_id}" not in rules
         ip_link = await asyncio.to_thread(command_output, "ip", "-o", "link")
-        assert f"aeh{instance.state['network']['slot']}:" not in ip_link
+        assert f"aeh{_link(instance).slot}:" not in ip_link
+
+
+def _link(instance: SandboxInstance) -> SandboxNetwork:
+    assert instance.network is not None
+    return instance.network

@@ -35,7 +35,7 @@ from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
 from forkyard.config import QemuSettings, Settings
-from forkyard.runtime.qemu.runtime import QemuRuntime, vm_paths
+from forkyard.runtime.qemu.runtime import QemuRuntime, QemuState, vm_paths
 from forkyard.runtime.qemu.spares import Shape
 from forkyard.storage import images
 from forkyard.storage.reflink import ReflinkPool
@@ -119,11 +119,11 @@ def test_extract_vmlinux_rejects_garbage() -> None:
 
 
 def _host_leftovers(
-    settings: Settings, sandbox_id: str, state: dict[str, Any] | None = None
+    settings: Settings, sandbox_id: str, instance: SandboxInstance | None = None
 ) -> dict[str, object]:
     paths = vm_paths(settings, sandbox_id)
     # A VM that was a spare names the spare's directory, not the sandbox's, on its command line.
-    owner = (state or {}).get("vm_owner") or str(paths.root)
+    owner = (QemuState.of(instance).vm_owner if instance else None) or str(paths.root)
     found: dict[str, object] = {
         "qemu": leaks.processes("qemu-system", owner),
         "netns": leaks.netns_exists(sandbox_id),
@@ -269,15 +269,15 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
                     await runtime.kill(vm)
             await runtime.stop_prestarted()
         assert restored is not None
-        assert _host_leftovers(qemu_settings, restored_id, restored.state) == {}
+        assert _host_leftovers(qemu_settings, restored_id, restored) == {}
         assert leaks.processes("qemu-system", str(qemu_settings.data_dir / "qemu-spares")) == []
 
     asyncio.run(scenario())
 
 
 def _shape(runtime: QemuRuntime, instance: SandboxInstance) -> tuple[images.GuestImages, int, int]:
-    state = instance.state
-    return images.GuestImages.from_json(state["images"]), int(state["vcpus"]), int(state["memory_mb"])
+    state = QemuState.of(instance)
+    return images.GuestImages.from_json(state.images), state.vcpus, state.memory_mb
 
 
 def test_stream_memory_restore(qemu_settings: Settings, base: TemplateImage) -> None:
@@ -341,12 +341,12 @@ async def _pause_and_resume(
     pause = SnapshotRef(unique_id("p"), runtime.settings.data_dir / "snapshots" / "pause", parent=parent)
     await runtime.snapshot(instance, pause, stop=True)
     assert json.loads((pause.path / "vm.json").read_text())["accel"] == runtime.accel
-    left = _host_leftovers(runtime.settings, instance.sandbox_id, instance.state)
+    left = _host_leftovers(runtime.settings, instance.sandbox_id, instance)
     assert left == {"netns": True, "dir": True}, left  # the VM and its drive went, the network stayed
     assert not await runtime.is_alive(instance)
     resumed = await runtime.restore(SandboxSpec(sandbox_id=instance.sandbox_id, template=template), pause)
     assert (resumed.address, resumed.envd_url) == (instance.address, instance.envd_url)
-    assert resumed.state["network"] == instance.state["network"]
+    assert resumed.network == instance.network
     after = (
         _envd_sdk(resumed)
         .commands.run("cat /proc/sys/kernel/random/boot_id; pgrep -x sleep", timeout=60, request_timeout=60)

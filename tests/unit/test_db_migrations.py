@@ -16,7 +16,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Connection
 
 from forkyard.orchestrator.store import SandboxStore
-from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.db import Database, open_database_at
 from forkyard.storage.db.schema import metadata
 from forkyard.storage.objectstore_cache import SnapshotCopies
 from forkyard.storage.snapshots import SnapshotStore
@@ -92,24 +92,24 @@ def _diff(conn: Connection) -> list[Any]:
     return list(compare_metadata(MigrationContext.configure(conn), metadata))
 
 
-async def _schema_diff(registry: Registry) -> list[Any]:
+async def _schema_diff(registry: Database) -> list[Any]:
     async with registry.engine.connect() as conn:
         return await conn.run_sync(_diff)
 
 
-async def test_a_new_database_gets_exactly_the_schema(registry_url: str) -> None:
-    registry = await open_registry_at(registry_url, "node-a", shared=not registry_url.startswith("sqlite"))
+async def test_a_new_database_gets_exactly_the_schema(database_url: str) -> None:
+    registry = await open_database_at(database_url, "node-a", shared=not database_url.startswith("sqlite"))
     try:
         assert await _schema_diff(registry) == []
     finally:
         await registry.close()
-    again = await open_registry_at(registry_url, "node-a", shared=False)  # current: a no-op
+    again = await open_database_at(database_url, "node-a", shared=False)  # current: a no-op
     await again.close()
 
 
 async def test_concurrent_start_ups_migrate_a_shared_database_once(postgres: Any) -> None:
     url = postgres.new_database()
-    opened = await asyncio.gather(*(open_registry_at(url, f"node-{i}", shared=True) for i in range(3)))
+    opened = await asyncio.gather(*(open_database_at(url, f"node-{i}", shared=True) for i in range(3)))
     try:
         assert await _schema_diff(opened[0]) == []
     finally:

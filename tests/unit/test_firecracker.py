@@ -29,6 +29,7 @@ from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow, dat
 from forkyard.runtime.firecracker.runtime import (
     FcPaths,
     FirecrackerRuntime,
+    FirecrackerState,
     boot_requests,
     fc_paths,
     restore_requests,
@@ -471,13 +472,14 @@ async def test_pause_keeps_the_network_and_the_resume_takes_it_over(fake_host: F
     runtime = FirecrackerRuntime(fake_host.settings)
     spec = _spec(fake_host, "fcpause")
     instance = await runtime.create(spec)
-    net = SandboxNetwork.from_state(instance.state["network"])
+    net = instance.network
+    assert net is not None
     pause = _snapshot(fake_host, "pause1")
     await runtime.snapshot(instance, pause, stop=True)
 
     assert fake_host.torn_down == []
     paths = fc_paths(fake_host.settings, spec.sandbox_id)
-    assert microvm_runtime.read_marker(paths) == {"paused": True, "network": net.to_state()}
+    assert microvm_runtime.read_marker(paths, FirecrackerState) == FirecrackerState(network=net, paused=True)
     assert not await runtime.is_alive(instance)
     assert not paths.api_socket.exists() and not paths.layer_dir.exists()
 

@@ -21,6 +21,7 @@ from forkyard.runtime.microvm.runtime import (
     read_snapshot,
     write_marker,
 )
+from forkyard.runtime.microvm.state import MicroVMState
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.runtime.qemu.runtime import QemuRuntime, vm_paths
 from forkyard.storage import atomic
@@ -110,11 +111,11 @@ def test_read_snapshot_names_what_is_missing(tmp_path: Path) -> None:
 def test_a_sandbox_directory_is_claimed_once_unless_a_pause_kept_it(tmp_path: Path) -> None:
     paths = vm_paths(Settings(data_dir=tmp_path), "q1")
     assert claim_dir("q1", paths) is None and paths.root.is_dir()
-    write_marker(paths, {"pid": 1})
+    write_marker(paths, MicroVMState(pid=1))
     with pytest.raises(Conflict, match="already exists"):
         claim_dir("q1", paths)
     net = SandboxNetwork("q1", "ae-q1", 3, "aeh3", "aes3", "10.213.0.13", "10.213.0.14")
-    write_marker(paths, {"paused": True, "network": net.to_state()})
+    write_marker(paths, MicroVMState.paused_with(net))
     assert claim_dir("q1", paths) == net
 
 

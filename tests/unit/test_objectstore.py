@@ -26,7 +26,7 @@ from forkyard.orchestrator.background import Background
 from forkyard.orchestrator.catalog import SnapshotCatalog
 from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.storage import snapshots as storage
-from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.db import Database, open_database_at
 from forkyard.storage.objectstore import (
     DirectoryBackend,
     Manifest,
@@ -316,10 +316,10 @@ def test_bad_names_are_refused(tmp_path: Path) -> None:
 class Node:
     """One node's snapshot catalog on its own data dir and registry, sharing ``bucket``."""
 
-    def __init__(self, data_dir: Path, settings: S3Settings, registry_url: str = "") -> None:
+    def __init__(self, data_dir: Path, settings: S3Settings, database_url: str = "") -> None:
         self.data_dir = data_dir
         #: Empty: the node's own SQLite file; else a shared database (the node's id is its dir's name).
-        self.registry_url = registry_url
+        self.database_url = database_url
         self.background = Background()
         objects = SnapshotObjects.from_settings(settings)
         assert objects is not None
@@ -332,12 +332,12 @@ class Node:
             background=self.background,
         )
         self.catalog = SnapshotCatalog(data_dir, durable=self.durable)
-        self.db: Registry | None = None
+        self.db: Database | None = None
 
     async def open(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        url = self.registry_url or f"sqlite+aiosqlite:///{self.data_dir / 'db.sqlite3'}"
-        self.db = await open_registry_at(url, self.data_dir.name, shared=bool(self.registry_url))
+        url = self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'db.sqlite3'}"
+        self.db = await open_database_at(url, self.data_dir.name, shared=bool(self.database_url))
         await self.catalog.open(self.db)
         await self.catalog.sweep({})
 

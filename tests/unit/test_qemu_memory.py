@@ -13,7 +13,7 @@ import pytest
 from forkyard.config import QemuSettings, Settings
 from forkyard.runtime.microvm.host import pid_alive
 from forkyard.runtime.microvm.runtime import Boot
-from forkyard.runtime.qemu.runtime import UPPER_FDSET, QemuRuntime, vm_paths
+from forkyard.runtime.qemu.runtime import UPPER_FDSET, QemuRuntime, QemuState, vm_paths
 from forkyard.runtime.qemu.spares import Shape, Spare, SparePool
 from forkyard.storage.images import GuestImages, GuestKernel
 from forkyard.types import SnapshotRef
@@ -71,12 +71,15 @@ def test_a_restore_follows_its_snapshot_and_a_boot_the_setting(tmp_path: Path) -
     runtime = _qemu(tmp_path, memory="file")
     images = _images(tmp_path)
     snap = SnapshotRef("s1", tmp_path / "s1")
-    assert runtime._extra_state(Boot(images, 1, 256)) == {"memory": "file"}
+    assert runtime._memory_of(Boot(images, 1, 256)) == "file"
     # A snapshot from before RAM files records no mode: it is a stream.
-    assert runtime._extra_state(Boot(images, 1, 256, snap, {})) == {"memory": "stream"}
-    assert runtime._extra_state(Boot(images, 1, 256, snap, {"memory": "file"})) == {"memory": "file"}
+    assert runtime._memory_of(Boot(images, 1, 256, snap, {})) == "stream"
+    assert runtime._memory_of(Boot(images, 1, 256, snap, {"memory": "file"})) == "file"
     streaming = _qemu(tmp_path, memory="stream")
-    assert streaming._extra_state(Boot(images, 1, 256, snap, {"memory": "file"})) == {"memory": "file"}
+    assert streaming._memory_of(Boot(images, 1, 256, snap, {"memory": "file"})) == "file"
+    state = QemuState()
+    streaming._extra_state(Boot(images, 1, 256, snap, {"memory": "file"}), state)
+    assert state.memory == "file"
 
 
 # -- the spare pool, over real processes ---------------------------------------------------------

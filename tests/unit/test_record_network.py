@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from forkyard.orchestrator.store import NetworkPolicy, SandboxRecord, SandboxStore
-from forkyard.types import EgressPolicy, SandboxInstance, SandboxState
+from forkyard.types import EgressPolicy, SandboxState
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 FORKYARD = Path(__file__).resolve().parents[2] / "forkyard"
@@ -90,19 +90,6 @@ async def test_a_row_written_by_the_untyped_record_reads_back_whole(tmp_path: Pa
     assert old.network == NetworkPolicy(
         allow_internet_access=True, egress=EgressPolicy(allow_out=("10.1.0.0/16",)), mask_request_host="h:1"
     )
-
-
-async def test_the_shared_facts_of_an_instance_read_from_a_runtime_state_of_any_version() -> None:
-    instance = SandboxInstance(
-        sandbox_id="s",
-        runtime="gvisor",
-        envd_url="http://10.213.0.2:49983",
-        address="10.213.0.2",
-        state={"template_rootfs": "/t/base/rootfs", "network": {"slot": 3}, "container_id": "ae-s"},
-    )
-    assert instance.template_rootfs == "/t/base/rootfs" and instance.network_state == {"slot": 3}
-    bare = SandboxInstance.placeholder("s", "qemu")
-    assert bare.template_rootfs is None and bare.network_state is None
 
 
 async def test_no_layer_above_the_runtimes_reads_an_instance_state_dict() -> None:

@@ -1,5 +1,5 @@
 """Snapshot directories and registry rows: atomic commit, sweep of crash leftovers, delete (on
-SQLite and PostgreSQL: ``registry_url``, tests/support/postgres.py)."""
+SQLite and PostgreSQL: ``database_url``, tests/support/postgres.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from forkyard.storage import snapshots as storage
-from forkyard.storage.db import Registry, open_registry_at
+from forkyard.storage.db import Database, open_database_at
 from forkyard.storage.snapshots import SnapshotRow, SnapshotStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -28,15 +28,15 @@ def row(snapshot_id: str, name: str | None = None) -> SnapshotRow:
     )
 
 
-async def make_store(url: str, tmp_path: Path, node: str = "node-a") -> tuple[SnapshotStore, Registry]:
-    db = await open_registry_at(url, node, shared=not url.startswith("sqlite"))
+async def make_store(url: str, tmp_path: Path, node: str = "node-a") -> tuple[SnapshotStore, Database]:
+    db = await open_database_at(url, node, shared=not url.startswith("sqlite"))
     store = SnapshotStore(db, tmp_path)
     await store.open()
     return store, db
 
 
-async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Path, registry_url: str) -> None:
-    store, db = await make_store(registry_url, tmp_path)
+async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Path, database_url: str) -> None:
+    store, db = await make_store(database_url, tmp_path)
     try:
         temp = storage.temp_ref(tmp_path, "snapA")
         temp.path.mkdir()
@@ -60,8 +60,8 @@ async def test_commit_is_a_rename_and_sweep_removes_only_leftovers(tmp_path: Pat
         await db.close()
 
 
-async def test_delete_removes_row_and_dir(tmp_path: Path, registry_url: str) -> None:
-    store, db = await make_store(registry_url, tmp_path)
+async def test_delete_removes_row_and_dir(tmp_path: Path, database_url: str) -> None:
+    store, db = await make_store(database_url, tmp_path)
     try:
         for sid in ("s1", "s2"):
             (tmp_path / "snapshots" / sid).mkdir(parents=True)

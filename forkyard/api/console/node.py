@@ -57,10 +57,10 @@ class Latency:
 
 
 def lifecycle(orch: Orchestrator) -> dict[str, Latency]:
-    """The lifecycle histogram from the telemetry registry, keyed ``operation`` or
+    """The lifecycle histogram from the telemetry's collectors, keyed ``operation`` or
     ``operation/detail``."""
     series: dict[str, Latency] = {}
-    for family in orch.telemetry.registry.collect():
+    for family in orch.telemetry.collectors.collect():
         if family.name != LIFECYCLE_METRIC:
             continue
         for sample in family.samples:

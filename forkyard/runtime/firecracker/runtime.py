@@ -37,7 +37,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import httpx
 
@@ -47,6 +47,7 @@ from forkyard.runtime.base import Capability
 from forkyard.runtime.firecracker import api
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
 from forkyard.runtime.firecracker_version import binary_version, binary_version_problem
+from forkyard.runtime.kinds import firecracker_unusable_reason
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import snapshot_disk
 from forkyard.runtime.microvm.runtime import (
@@ -54,12 +55,11 @@ from forkyard.runtime.microvm.runtime import (
     MicroVmRuntime,
     Phases,
     VmPaths,
-    read_marker,
     write_marker,
     write_snapshot_meta,
 )
+from forkyard.runtime.microvm.state import MicroVMState
 from forkyard.runtime.network import SandboxNetwork
-from forkyard.runtime.registry import firecracker_unusable_reason
 from forkyard.storage.images import GuestImages
 from forkyard.types import RuntimeName, SandboxInstance, SnapshotRef
 
@@ -70,8 +70,6 @@ VSOCK_NAME = "vsock.sock"
 SNAPSHOT_STATE = "vmstate.bin"
 SNAPSHOT_MEMORY = "memory.bin"
 SNAPSHOT_DIFF = "memory.diff"
-#: Marker key: the snapshot the VM's dirty-page log runs from (None: no diff can be taken).
-DIRTY_SINCE = "dirty_since"
 #: Seconds a snapshot request may take (it writes all of guest memory for a Full one).
 SNAPSHOT_TIMEOUT = 300.0
 #: ``argv[0]`` part of a page-fault server (``python -m forkyard.runtime.firecracker.uffd``).
@@ -158,20 +156,32 @@ def restore_requests(
     ]
 
 
-def diff_base(state: dict[str, Any], dest: SnapshotRef) -> bool:
+@dataclass
+class FirecrackerState(MicroVMState):
+    """What the Firecracker runtime records of a sandbox (the instance's state and its marker)."""
+
+    #: The userfaultfd page server of a restored VM (:mod:`.uffd`), when one serves it.
+    uffd_pid: int | None = None
+    #: Whether the guest runs in PVM mode (a snapshot restores only in its own mode).
+    pvm: bool = False
+    #: The snapshot the VM's dirty-page log runs from (None: no diff can be taken).
+    dirty_since: str | None = None
+
+
+def diff_base(state: FirecrackerState, dest: SnapshotRef) -> bool:
     """Whether ``dest`` can be a ``Diff`` snapshot; if so, a copy of the parent's memory, which the
     diff is applied onto, is made in ``dest`` first (the parent may be deleted meanwhile).
 
     Firecracker's diff holds the pages dirtied since the VM was last snapshotted or loaded, so
-    the parent must be exactly that snapshot (``state[DIRTY_SINCE]``), and its memory present."""
+    the parent must be exactly that snapshot (``state.dirty_since``), and its memory present."""
     parent = dest.parent
     if parent is None:
         return False
-    if state.get(DIRTY_SINCE) != parent.snapshot_id:
+    if state.dirty_since != parent.snapshot_id:
         log.info(
             "firecracker snapshot %s: Full, the VM's dirty pages count from %s, not from its parent %s",
             dest.snapshot_id,
-            state.get(DIRTY_SINCE),
+            state.dirty_since,
             parent.snapshot_id,
         )
         return False
@@ -195,7 +205,7 @@ def complete_diff_memory(dest: SnapshotRef, diff: Path) -> None:
     diff.unlink()
 
 
-class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
+class FirecrackerRuntime(MicroVmRuntime[FcPaths, FirecrackerState]):
     name: ClassVar[RuntimeName] = "firecracker"
     capabilities = frozenset({Capability.FREEZE})
     process_name: ClassVar[str] = "firecracker"
@@ -244,9 +254,13 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     def _envd_timeout(self) -> float:
         return self.fc.boot_timeout
 
-    def _extra_state(self, boot: Boot) -> dict[str, Any]:
+    def _state_type(self) -> type[FirecrackerState]:
+        return FirecrackerState
+
+    def _extra_state(self, boot: Boot, state: FirecrackerState) -> None:
+        state.pvm = self.fc.pvm
         # Loading a snapshot resets the dirty-page log: the next diff is relative to it.
-        return {"pvm": self.fc.pvm, DIRTY_SINCE: boot.snapshot.snapshot_id if boot.snapshot else None}
+        state.dirty_since = boot.snapshot.snapshot_id if boot.snapshot else None
 
     def _check_restorable(self, boot: Boot) -> None:
         taken_pvm = bool(boot.meta.get("pvm", False))
@@ -258,16 +272,16 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 f"{mode[self.fc.pvm]} guests"
             )
 
-    def _vm_processes(self, state: dict[str, Any], paths: FcPaths) -> list[tuple[int | None, str]]:
-        return [(state.get("pid"), self.process_name), (state.get("uffd_pid"), UFFD_PROCESS)]
+    def _vm_processes(self, state: FirecrackerState, paths: FcPaths) -> list[tuple[int | None, str]]:
+        return [(state.pid, self.process_name), (state.uffd_pid, UFFD_PROCESS)]
 
     async def _launch(
-        self, net: SandboxNetwork, boot: Boot, paths: FcPaths, state: dict[str, Any], phases: Phases
+        self, net: SandboxNetwork, boot: Boot, paths: FcPaths, state: FirecrackerState, phases: Phases
     ) -> None:
         # Firecracker opens, never creates, its log and metrics files.
         for output in (paths.log, paths.metrics):
             output.touch()
-        state["pid"] = await self._spawn(net, paths)
+        state.pid = await self._spawn(net, paths)
         write_marker(paths, state)
         phases.mark("spawn")
         client = api.FirecrackerClient(paths.api_socket)
@@ -279,7 +293,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
         phases.mark("boot" if boot.snapshot is None else "load")
 
     async def _start_requests(
-        self, boot: Boot, paths: FcPaths, state: dict[str, Any]
+        self, boot: Boot, paths: FcPaths, state: FirecrackerState
     ) -> list[api.ApiRequest]:
         level = await asyncio.to_thread(self.api_level)
         if boot.snapshot is None:
@@ -293,7 +307,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 level=level,
             )
         if self.fc.uffd:
-            state["uffd_pid"] = await self._start_uffd_handler(paths, boot.snapshot.path / SNAPSHOT_MEMORY)
+            state.uffd_pid = await self._start_uffd_handler(paths, boot.snapshot.path / SNAPSHOT_MEMORY)
             write_marker(paths, state)
         return restore_requests(paths, boot.snapshot.path, uffd=self.fc.uffd, level=level)
 
@@ -385,20 +399,20 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
         resume onto a copy of the parent's memory. Otherwise ``Full``. A failed snapshot leaves
         the VM running, and the next one ``Full``."""
         paths = self.paths(instance.sandbox_id)
-        state = read_marker(paths) or dict(instance.state)
+        state = self._recorded(paths, instance)
         dest.path.mkdir(parents=True, exist_ok=True)
         phases = Phases()
         diff = await asyncio.to_thread(diff_base, state, dest)
         phases.mark("base")
         # Creating a snapshot resets the dirty-page log even when a later step fails: until this
         # one is complete, no snapshot is a valid parent.
-        state[DIRTY_SINCE] = None
+        state.dirty_since = None
         write_marker(paths, state)
         await self._save(paths, state, dest, diff=diff, stop=stop, phases=phases)
         if stop:
             await self._stop_keeping_network(instance, paths)
         else:
-            state[DIRTY_SINCE] = dest.snapshot_id
+            state.dirty_since = dest.snapshot_id
             write_marker(paths, state)
         log.info(
             "firecracker %s: %s (%s) in %s",
@@ -411,7 +425,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
     async def _save(
         self,
         paths: FcPaths,
-        state: dict[str, Any],
+        state: FirecrackerState,
         dest: SnapshotRef,
         *,
         diff: bool,
@@ -437,7 +451,7 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths]):
                 write_snapshot_meta(
                     dest,
                     state,
-                    pvm=state.get("pvm", False),
+                    pvm=state.pvm,
                     runtime=self.name,
                     type=kind,
                     parent=dest.parent.snapshot_id if diff and dest.parent else None,

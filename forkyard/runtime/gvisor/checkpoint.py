@@ -53,6 +53,7 @@ from forkyard.runtime import network
 from forkyard.runtime.gvisor.disk import RootDisks
 from forkyard.runtime.gvisor.paths import SandboxPaths
 from forkyard.runtime.gvisor.runsc import Runsc
+from forkyard.runtime.gvisor.state import GvisorState
 from forkyard.runtime.gvisor.upper_delta import Staged
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
@@ -80,18 +81,19 @@ def elapsed_ms(start: float) -> float:
 
 
 def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
+    state = GvisorState.of(instance)
     write_json_atomic(
         dest / META_FILE,
         {
             "format": META_FORMAT,
             "runtime": "gvisor",
             "sandbox_id": instance.sandbox_id,
-            "network": instance.state.get("network"),
-            "template_id": instance.state.get("template_id"),
-            "template_rootfs": instance.state.get("template_rootfs"),
-            "platform": instance.state.get("platform"),
+            "network": instance.network.to_state() if instance.network else None,
+            "template_id": state.template_id or None,
+            "template_rootfs": instance.template_rootfs,
+            "platform": state.platform,
             # /usr/bin/sudo mounted over by envd's (a restore needs the mounts its checkpoint had)
-            "sudo_shim": bool(instance.state.get("sudo_shim")),
+            "sudo_shim": state.sudo_shim,
             "layers": chain,
             "created_at": time.time(),
         },

@@ -31,6 +31,7 @@ from forkyard.runtime.gvisor.checkpoint import MEMORY_DIR, elapsed_ms
 from forkyard.runtime.gvisor.disk import RootDisks
 from forkyard.runtime.gvisor.paths import CONTAINER_PREFIX, SandboxPaths, sandboxes_dir
 from forkyard.runtime.gvisor.runsc import Runsc
+from forkyard.runtime.gvisor.state import GvisorState
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
 from forkyard.storage.envd_bundle import (
@@ -67,8 +68,6 @@ ENVD_RESTORE_TIMEOUT = 30.0
 #: Seconds a kill keeps retrying to remove the sandbox's cgroups while the kernel releases its
 #: killed tasks.
 CGROUP_SETTLE_SECONDS = 1.0
-#: A sandbox's disk when its instance predates recording one (the templates' default).
-DEFAULT_DISK_MB = 4096
 #: Processes (per user inside) a sandbox may have: RLIMIT_NPROC, which gVisor's kernel enforces
 #: (a fork beyond it fails with EAGAIN inside, as on Linux).
 NPROC_LIMIT = 2048
@@ -176,9 +175,7 @@ class GvisorRuntime(Runtime):
     async def kill(self, instance: SandboxInstance) -> None:
         # A frozen sandbox's tasks take no SIGKILL until thawed (cgroup v1).
         await freezer.thaw(instance.sandbox_id)
-        net_state = instance.state.get("network")
-        net = SandboxNetwork.from_state(net_state) if net_state else None
-        await self._destroy(self.paths(instance.sandbox_id), net)
+        await self._destroy(self.paths(instance.sandbox_id), instance.network)
 
     async def claimed(self, instance: SandboxInstance) -> None:
         await asyncio.to_thread(cgroups.set_cpu_shares, instance.sandbox_id, cgroups.LIVE_CPU_SHARES)
@@ -197,12 +194,9 @@ class GvisorRuntime(Runtime):
     async def stop_keep_disk(self, instance: SandboxInstance) -> SandboxInstance:
         await freezer.thaw(instance.sandbox_id)
         paths = self.paths(instance.sandbox_id)
-        net_state = instance.state.get("network")
-        await self._stop_sandbox(paths, SandboxNetwork.from_state(net_state) if net_state else None)
+        await self._stop_sandbox(paths, instance.network)
         # The network's slot goes back to the pool: a later kill must not tear down whoever has it.
-        return dataclasses.replace(
-            instance, state={k: v for k, v in instance.state.items() if k != "network"}
-        )
+        return dataclasses.replace(instance, network=None)
 
     async def boot_kept_disk(self, spec: SandboxSpec, kept: SandboxInstance) -> SandboxInstance:
         paths = self.paths(spec.sandbox_id)
@@ -387,18 +381,18 @@ class GvisorRuntime(Runtime):
             runtime=self.name,
             envd_url=f"http://{net.sandbox_ip}:{ENVD_PORT}",
             address=net.sandbox_ip,
-            state={
-                "container_id": self.paths(spec.sandbox_id).container_id,
-                "network": net.to_state(),
-                "envd_bundle": str(envd_bundle),
-                "template_id": spec.template.template_id,
-                "template_rootfs": str(spec.template.rootfs),
-                "vcpus": spec.template.vcpus,
-                "memory_mb": spec.template.memory_mb,
-                "disk_mb": spec.template.disk_mb,
-                "platform": self.runsc.platform(),
-                "sudo_shim": sudo_shim,
-            },
+            template_rootfs=str(spec.template.rootfs),
+            network=net,
+            state=GvisorState(
+                container_id=self.paths(spec.sandbox_id).container_id,
+                envd_bundle=str(envd_bundle),
+                template_id=spec.template.template_id,
+                vcpus=spec.template.vcpus,
+                memory_mb=spec.template.memory_mb,
+                disk_mb=spec.template.disk_mb,
+                platform=self.runsc.platform(),
+                sudo_shim=sudo_shim,
+            ).to_json(),
         )
 
     async def _wait_for_envd(self, paths: SandboxPaths, url: str, limit: float) -> None:
@@ -462,8 +456,8 @@ class GvisorRuntime(Runtime):
         return await self.runsc.status(self.paths(instance.sandbox_id).container_id) == "running"
 
     async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
-        sid = instance.sandbox_id
-        vcpus = int(instance.state.get("vcpus", 1))
+        sid, state = instance.sandbox_id, GvisorState.of(instance)
+        vcpus = state.vcpus
         cpu_pct = self._cpu.percent(sid, cgroups.cpu_seconds(sid), vcpus)
         if cpu_pct is None:  # first sample: measure over a short window
             await asyncio.sleep(0.1)
@@ -473,9 +467,9 @@ class GvisorRuntime(Runtime):
             cpu_count=vcpus,
             cpu_used_pct=round(cpu_pct, 2),
             mem_used=cgroups.memory_used(sid),
-            mem_total=int(instance.state.get("memory_mb", 512)) << 20,
+            mem_total=state.memory_mb << 20,
             disk_used=disk_used,
-            disk_total=int(instance.state.get("disk_mb", 4096)) << 20,
+            disk_total=state.disk_mb << 20,
         )
 
     # -- crash recovery and garbage -------------------------------------------------------------
@@ -587,11 +581,11 @@ class GvisorRuntime(Runtime):
     ) -> None:
         """Bring a just-checkpointed sandbox back from ``image`` on its own network and disk."""
         try:
-            template_rootfs = Path(str(instance.state["template_rootfs"]))
-            disk_mb = int(instance.state.get("disk_mb", DEFAULT_DISK_MB))
-            await asyncio.to_thread(self.disks.mount, paths, template_rootfs, chain, disk_mb)
-            net = SandboxNetwork.from_state(instance.state["network"])
-            await checkpoint.restore_container(self.runsc, paths, image, net)
+            if instance.template_rootfs is None or instance.network is None:
+                raise Failed(f"sandbox {instance.sandbox_id} records no template root or network")
+            disk_mb = GvisorState.of(instance).disk_mb
+            await asyncio.to_thread(self.disks.mount, paths, Path(instance.template_rootfs), chain, disk_mb)
+            await checkpoint.restore_container(self.runsc, paths, image, instance.network)
             self._guard_memory(paths)
             await self._wait_for_envd(paths, instance.envd_url, ENVD_RESTORE_TIMEOUT)
         except BaseException:

@@ -36,6 +36,7 @@ from forkyard.runtime.base import CpuSampler, Runtime
 from forkyard.runtime.microvm import vmnet
 from forkyard.runtime.microvm.disks import allocated_and_size, prepare_upper, remove_orphan_snapshot_disks
 from forkyard.runtime.microvm.host import Alive, kill_pid, pid_alive, wait_for_envd
+from forkyard.runtime.microvm.state import MicroVMState
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
 from forkyard.storage.images import GuestImages, build_guest_images
@@ -95,18 +96,20 @@ class VmPaths:
 
 
 P = TypeVar("P", bound=VmPaths)
+S = TypeVar("S", bound=MicroVMState)
 
 
-def read_marker(paths: VmPaths) -> dict[str, Any]:
+def read_marker(paths: VmPaths, kind: type[S]) -> S | None:
+    """The record in ``paths``' marker file as ``kind``; None when there is none (or unreadable)."""
     try:
-        state: dict[str, Any] = json.loads(paths.marker.read_text())
+        data = json.loads(paths.marker.read_text())
     except (OSError, ValueError):
-        return {}
-    return state
+        return None
+    return kind.from_json(data) if isinstance(data, dict) and data else None
 
 
-def write_marker(paths: VmPaths, state: dict[str, Any]) -> None:
-    write_json_atomic(paths.marker, state)
+def write_marker(paths: VmPaths, state: MicroVMState) -> None:
+    write_json_atomic(paths.marker, state.to_json())
 
 
 def claim_dir(sandbox_id: str, paths: VmPaths) -> SandboxNetwork | None:
@@ -117,10 +120,10 @@ def claim_dir(sandbox_id: str, paths: VmPaths) -> SandboxNetwork | None:
         return None
     except FileExistsError:
         pass
-    state = read_marker(paths)
-    if not (state.get("paused") and state.get("network")):
+    state = read_marker(paths, MicroVMState)
+    if state is None or not state.paused or state.network is None:
         raise Conflict(f"sandbox {sandbox_id} already exists on this node")
-    return SandboxNetwork.from_state(state["network"])
+    return state.network
 
 
 def netns_exists(net: SandboxNetwork) -> bool:
@@ -153,9 +156,9 @@ def read_snapshot(source: SnapshotRef, required: str, runtime: str) -> Boot:
     return Boot(images, int(meta["vcpus"]), int(meta["memory_mb"]), source, meta)
 
 
-def write_snapshot_meta(dest: SnapshotRef, state: dict[str, Any], **extra: Any) -> None:
+def write_snapshot_meta(dest: SnapshotRef, state: MicroVMState, **extra: Any) -> None:
     """Record in ``dest`` the VM it holds (what :func:`read_snapshot` reads back)."""
-    meta = {key: state[key] for key in ("images", "vcpus", "memory_mb")} | extra
+    meta = {"images": state.images, "vcpus": state.vcpus, "memory_mb": state.memory_mb} | extra
     write_json_atomic(dest.path / SNAPSHOT_META, meta, indent=2)
 
 
@@ -204,8 +207,9 @@ class Phases:
         return f"{total} ms (" + ", ".join(f"{k} {v}" for k, v in self.ms.items()) + ")"
 
 
-class MicroVmRuntime(Runtime, Generic[P]):
-    """Owns the lifecycle of a microVM sandbox; subclasses start, configure and snapshot their VMM."""
+class MicroVmRuntime(Runtime, Generic[P, S]):
+    """Owns the lifecycle of a microVM sandbox; subclasses start, configure and snapshot their VMM
+    and name the class of their record (``S``, a :class:`MicroVMState`)."""
 
     #: ``argv[0]`` of the VMM contains it (pid checks: a recycled pid is not our VM).
     process_name: ClassVar[str]
@@ -224,32 +228,41 @@ class MicroVmRuntime(Runtime, Generic[P]):
         """The sandbox's files."""
 
     @abc.abstractmethod
-    async def _launch(
-        self, net: SandboxNetwork, boot: Boot, paths: P, state: dict[str, Any], phases: Phases
-    ) -> None:
-        """Start the VMM in ``net``'s netns, record its pid in ``state["pid"]`` (and the marker)
+    def _state_type(self) -> type[S]:
+        """The class of this runtime's record of a sandbox."""
+
+    def _state(self, instance: SandboxInstance) -> S:
+        return self._state_type().of(instance)
+
+    def _recorded(self, paths: P, instance: SandboxInstance) -> S:
+        """What this node holds for the sandbox now: its marker (a pause rewrote it; the
+        instance may be the one from before the pause), else the instance's record."""
+        return read_marker(paths, self._state_type()) or self._state(instance)
+
+    @abc.abstractmethod
+    async def _launch(self, net: SandboxNetwork, boot: Boot, paths: P, state: S, phases: Phases) -> None:
+        """Start the VMM in ``net``'s netns, record its pid in ``state.pid`` (and the marker)
         and boot ``boot.images`` or load ``boot.snapshot``; envd is waited for by the caller."""
 
     @abc.abstractmethod
     def _envd_timeout(self) -> float:
         """Seconds a started VM gets until envd answers."""
 
-    def _extra_state(self, boot: Boot) -> dict[str, Any]:
-        """Runtime-specific entries of a new sandbox's state."""
-        return {}
+    def _extra_state(self, boot: Boot, state: S) -> None:
+        """Fill in the runtime-specific fields of a new sandbox's ``state``."""
 
     def _check_restorable(self, boot: Boot) -> None:
         """Raise when this node cannot run the snapshot ``boot`` (taken under other settings)."""
 
-    def _vm_processes(self, state: dict[str, Any], paths: P) -> list[tuple[int | None, str]]:
+    def _vm_processes(self, state: S, paths: P) -> list[tuple[int | None, str]]:
         """(pid, ``argv[0]`` part) of every process a VM runs on the host."""
-        return [(state.get("pid"), self.process_name)]
+        return [(state.pid, self.process_name)]
 
-    def _vm_owner(self, state: dict[str, Any], paths: P) -> str:
+    def _vm_owner(self, state: S, paths: P) -> str:
         """A string every VM process of the sandbox has in its command line (pid checks: a
         recycled pid is not ours). A VMM started ahead of its sandbox names the directory it was
-        started in (``state["vm_owner"]``)."""
-        return str(state.get("vm_owner") or paths.root)
+        started in (``state.vm_owner``)."""
+        return state.vm_owner or str(paths.root)
 
     # -- start --------------------------------------------------------------------------------
 
@@ -266,16 +279,15 @@ class MicroVmRuntime(Runtime, Generic[P]):
     async def _start(self, spec: SandboxSpec, boot: Boot) -> SandboxInstance:
         paths = self.paths(spec.sandbox_id)
         kept = await self._claim_dir(spec.sandbox_id, paths)
-        state: dict[str, Any] = {
-            "paths": str(paths.root),
-            "upper": str(paths.upper),
-            "images": boot.images.to_json(),
-            "vcpus": boot.vcpus,
-            "memory_mb": boot.memory_mb,
-            # The orchestrator records it in snapshots: sandboxes restored from them need it.
-            "template_rootfs": str(spec.template.rootfs),
-            "network": kept.to_state() if kept else None,
-        } | self._extra_state(boot)
+        state = self._state_type()(
+            paths=str(paths.root),
+            upper=str(paths.upper),
+            images=boot.images.to_json(),
+            vcpus=boot.vcpus,
+            memory_mb=boot.memory_mb,
+            network=kept,
+        )
+        self._extra_state(boot, state)
         try:
             return await self._bring_up(spec, boot, paths, state, kept)
         except BaseException:
@@ -293,7 +305,7 @@ class MicroVmRuntime(Runtime, Generic[P]):
         return None
 
     async def _bring_up(
-        self, spec: SandboxSpec, boot: Boot, paths: P, state: dict[str, Any], kept: SandboxNetwork | None
+        self, spec: SandboxSpec, boot: Boot, paths: P, state: S, kept: SandboxNetwork | None
     ) -> SandboxInstance:
         phases = Phases()
         write_marker(paths, state)
@@ -309,7 +321,17 @@ class MicroVmRuntime(Runtime, Generic[P]):
         phases.mark("envd")
         what = "boot" if boot.snapshot is None else "resume" if kept else "restore"
         log.info("%s %s: %s in %s", self.name, spec.sandbox_id, what, phases.summary())
-        return SandboxInstance(spec.sandbox_id, self.name, url, net.sandbox_ip, state)
+        # The orchestrator records the template root in snapshots: sandboxes restored from them need it.
+        rootfs = str(spec.template.rootfs)
+        return SandboxInstance(
+            spec.sandbox_id,
+            self.name,
+            url,
+            net.sandbox_ip,
+            state.to_json(),
+            template_rootfs=rootfs,
+            network=net,
+        )
 
     def _vmm_brings_tap(self, sandbox_id: str, boot: Boot, *, kept: bool) -> bool:
         """Whether the VMM that will run ``boot`` has a tap of its own to move into the netns
@@ -318,7 +340,7 @@ class MicroVmRuntime(Runtime, Generic[P]):
         return False
 
     async def _plug_network(
-        self, spec: SandboxSpec, paths: P, state: dict[str, Any], *, tap_device: bool = True
+        self, spec: SandboxSpec, paths: P, state: S, *, tap_device: bool = True
     ) -> SandboxNetwork:
         net = await network.setup_network(
             self.settings,
@@ -326,7 +348,7 @@ class MicroVmRuntime(Runtime, Generic[P]):
             allow_internet_access=spec.allow_internet_access,
             egress=spec.egress,
         )
-        state["network"] = net.to_state()
+        state.network = net
         write_marker(paths, state)
         if tap_device:
             await vmnet.add_tap(self.settings, net)
@@ -334,15 +356,15 @@ class MicroVmRuntime(Runtime, Generic[P]):
             await vmnet.add_tap(self.settings, net, device=False)
         return net
 
-    def _vm_alive(self, state: dict[str, Any], paths: P) -> Alive:
+    def _vm_alive(self, state: S, paths: P) -> Alive:
         """Asks whether the VM process ``state`` records is still running."""
 
         async def alive() -> bool:
-            return pid_alive(state.get("pid"), self.process_name, self._vm_owner(state, paths))
+            return pid_alive(state.pid, self.process_name, self._vm_owner(state, paths))
 
         return alive
 
-    async def _wait_envd(self, url: str, paths: P, state: dict[str, Any], *, restored: bool) -> None:
+    async def _wait_envd(self, url: str, paths: P, state: S, *, restored: bool) -> None:
         # A restored envd is already listening: it answers within milliseconds of the vCPUs
         # running again, so a coarse poll would only add latency.
         interval = 0.005 if restored else 0.1
@@ -352,26 +374,24 @@ class MicroVmRuntime(Runtime, Generic[P]):
     # -- stop ---------------------------------------------------------------------------------
 
     async def kill(self, instance: SandboxInstance) -> None:
-        await self._destroy(instance.sandbox_id, instance.state)
+        await self._destroy(instance.sandbox_id, self._state(instance))
 
     async def halt(self, instance: SandboxInstance) -> None:
         paths = self.paths(instance.sandbox_id)
-        state = read_marker(paths) or instance.state
+        state = self._recorded(paths, instance)
         for pid, name in self._vm_processes(state, paths):
             await kill_pid(pid, name, owner=self._vm_owner(state, paths))
 
-    async def _destroy(self, sandbox_id: str, state: dict[str, Any]) -> None:
+    async def _destroy(self, sandbox_id: str, state: S) -> None:
         paths = self.paths(sandbox_id)
         # The marker is what this node holds for the sandbox now (a pause rewrote it; the
         # caller's state may be the one from before the pause).
-        state = read_marker(paths) or state
+        state = read_marker(paths, self._state_type()) or state
         await self._stop_vm(sandbox_id, paths, state)
-        net_state = state.get("network")
-        net = SandboxNetwork.from_state(net_state) if net_state else None
-        await network.teardown_network(self.settings, sandbox_id, net)
+        await network.teardown_network(self.settings, sandbox_id, state.network)
         shutil.rmtree(paths.root, ignore_errors=True)
 
-    async def _stop_vm(self, sandbox_id: str, paths: P, state: dict[str, Any]) -> None:
+    async def _stop_vm(self, sandbox_id: str, paths: P, state: S) -> None:
         """Kill the VM's processes, delete its drive directory and runtime files; the network and
         the sandbox directory stay."""
         for pid, name in self._vm_processes(state, paths):
@@ -384,30 +404,29 @@ class MicroVmRuntime(Runtime, Generic[P]):
     async def _stop_keeping_network(self, instance: SandboxInstance, paths: P) -> None:
         """After a pause: the VM process and its drive go (the snapshot has both), the network
         stays for the resume; the marker says so (``paused``), and a kill removes it all."""
-        state = read_marker(paths) or dict(instance.state)
+        state = self._recorded(paths, instance)
         await self._stop_vm(instance.sandbox_id, paths, state)
-        write_marker(paths, {"paused": True, "network": state.get("network")})
+        write_marker(paths, self._state_type().paused_with(state.network))
 
     # -- state --------------------------------------------------------------------------------
 
     async def is_alive(self, instance: SandboxInstance) -> bool:
-        paths = self.paths(instance.sandbox_id)
-        owner = self._vm_owner(instance.state, paths)
-        return pid_alive(instance.state.get("pid"), self.process_name, owner)
+        paths, state = self.paths(instance.sandbox_id), self._state(instance)
+        return pid_alive(state.pid, self.process_name, self._vm_owner(state, paths))
 
     async def metrics(self, instance: SandboxInstance) -> SandboxMetrics:
-        state = instance.state
-        vcpus, mem_total = int(state["vcpus"]), int(state["memory_mb"]) << 20
+        state = self._state(instance)
+        vcpus, mem_total = state.vcpus, state.memory_mb << 20
         if not await self.is_alive(instance):
             raise NotFound(f"sandbox {instance.sandbox_id} is not running")
         try:
-            proc = psutil.Process(state["pid"])
+            proc = psutil.Process(state.pid)
             times = proc.cpu_times()
             rss = proc.memory_info().rss
         except psutil.Error as exc:
             raise NotFound(f"sandbox {instance.sandbox_id} is not running: {exc}") from exc
         pct = self._cpu.percent(instance.sandbox_id, times.user + times.system, vcpus) or 0.0
-        disk_used, disk_total = await asyncio.to_thread(allocated_and_size, Path(state["upper"]))
+        disk_used, disk_total = await asyncio.to_thread(allocated_and_size, Path(state.upper))
         return SandboxMetrics(vcpus, pct, min(rss, mem_total), mem_total, disk_used, disk_total)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
@@ -415,7 +434,7 @@ class MicroVmRuntime(Runtime, Generic[P]):
         for directory in sorted((self.settings.data_dir / "sandboxes").glob("*")):
             sandbox_id = directory.name
             if sandbox_id not in keep and self.paths(sandbox_id).marker.exists():
-                await self._destroy(sandbox_id, {})
+                await self._destroy(sandbox_id, self._state_type()())
                 removed.append(sandbox_id)
         await asyncio.to_thread(remove_orphan_snapshot_disks, self.settings)
         return removed

@@ -44,7 +44,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from forkyard.config import Settings
 from forkyard.errors import Failed, Unavailable
@@ -61,6 +61,7 @@ from forkyard.runtime.microvm.runtime import (
     write_marker,
     write_snapshot_meta,
 )
+from forkyard.runtime.microvm.state import MicroVMState
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.runtime.qemu.memory import RAM_FILE, clone_into, create_ram_file
 from forkyard.runtime.qemu.qmp import Qmp, QmpError
@@ -141,7 +142,15 @@ def _device_state_uri(memory_bin: Path, fd: int | None) -> str:
     return f"fd:{fd}" if fd is not None else f"exec:cat {shlex.quote(str(memory_bin))}"
 
 
-class QemuRuntime(MicroVmRuntime[QemuPaths]):
+@dataclass
+class QemuState(MicroVMState):
+    """What the QEMU runtime records of a sandbox (the instance's state and its marker)."""
+
+    #: Where the VM's RAM lives (the module docstring); rows from before RAM files streamed.
+    memory: Memory = "stream"
+
+
+class QemuRuntime(MicroVmRuntime[QemuPaths, QemuState]):
     name: ClassVar[RuntimeName] = "qemu"
     capabilities = frozenset({Capability.FREEZE})
     process_name: ClassVar[str] = "qemu"
@@ -274,14 +283,20 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
     def _envd_timeout(self) -> float:
         return ENVD_TIMEOUT_KVM if self.accel == "kvm" else ENVD_TIMEOUT_TCG
 
-    def _extra_state(self, boot: Boot) -> dict[str, Any]:
-        # A restore follows its snapshot (one taken before RAM files has no ``memory``).
-        memory = boot.meta.get("memory", "stream") if boot.snapshot else self.settings.qemu.memory
-        return {"memory": memory}
+    def _state_type(self) -> type[QemuState]:
+        return QemuState
 
-    def _vm_processes(self, state: dict[str, Any], paths: QemuPaths) -> list[tuple[int | None, str]]:
+    def _extra_state(self, boot: Boot, state: QemuState) -> None:
+        state.memory = self._memory_of(boot)
+
+    def _memory_of(self, boot: Boot) -> Memory:
+        # A restore follows its snapshot (one taken before RAM files has no ``memory``).
+        memory: Memory = boot.meta.get("memory", "stream") if boot.snapshot else self.settings.qemu.memory
+        return memory
+
+    def _vm_processes(self, state: QemuState, paths: QemuPaths) -> list[tuple[int | None, str]]:
         # Without a recorded pid (a start cut short) the daemonised QEMU may still have written one.
-        return [(state.get("pid") or _read_pidfile(paths), self.process_name)]
+        return [(state.pid or _read_pidfile(paths), self.process_name)]
 
     def _check_restorable(self, boot: Boot) -> None:
         # The CPU model differs (KVM: host, TCG: max): a migration stream does not cross over.
@@ -292,19 +307,19 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
 
     async def _start(self, spec: SandboxSpec, boot: Boot) -> SandboxInstance:
         instance = await super()._start(spec, boot)
-        if instance.state.get("memory") == "file":
+        if self._state(instance).memory == "file":
             # Restores (resume, fork, snapshot children) of this shape are likely next.
             self._spares.want(Shape(boot.images, boot.vcpus, boot.memory_mb))
         return instance
 
     async def _launch(
-        self, net: SandboxNetwork, boot: Boot, paths: QemuPaths, state: dict[str, Any], phases: Phases
+        self, net: SandboxNetwork, boot: Boot, paths: QemuPaths, state: QemuState, phases: Phases
     ) -> None:
-        memory: Memory = state["memory"]
+        memory = state.memory
         if boot.snapshot is None:
             if memory == "file":
                 await asyncio.to_thread(create_ram_file, paths.ram, boot.memory_mb)
-            state["pid"] = await self._spawn(net, boot, paths, memory=memory)
+            state.pid = await self._spawn(net, boot, paths, memory=memory)
             write_marker(paths, state)
             phases.mark("spawn")
             return
@@ -320,7 +335,7 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         snapshot: SnapshotRef,
         boot: Boot,
         paths: QemuPaths,
-        state: dict[str, Any],
+        state: QemuState,
         phases: Phases,
     ) -> None:
         """The RAM-file path: a spare (taken by :meth:`_vmm_brings_tap`) or a new QEMU maps a
@@ -336,7 +351,7 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
             phases.mark("ram")
             fd = os.open(memory_bin, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                state["pid"] = await self._spawn(net, boot, paths, memory="file", incoming="defer", fd=fd)
+                state.pid = await self._spawn(net, boot, paths, memory="file", incoming="defer", fd=fd)
                 write_marker(paths, state)
                 phases.mark("spawn")
                 await self._load_device_state(paths, _device_state_uri(memory_bin, fd))
@@ -357,7 +372,7 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         self._claimed[sandbox_id] = (spare, kept)
         return True
 
-    async def _destroy(self, sandbox_id: str, state: dict[str, Any]) -> None:
+    async def _destroy(self, sandbox_id: str, state: QemuState) -> None:
         claimed = self._claimed.pop(sandbox_id, None)  # a start failed before adopting it
         if claimed is not None:
             await self._discard_spare(claimed[0])
@@ -369,13 +384,13 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         snapshot: SnapshotRef,
         boot: Boot,
         paths: QemuPaths,
-        state: dict[str, Any],
+        state: QemuState,
         phases: Phases,
     ) -> None:
         """The stream path: QEMU reads RAM and device state from the open migration file."""
         fd = os.open(snapshot.path / SNAPSHOT_MEMORY, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            state["pid"] = await self._spawn(net, boot, paths, memory="stream", incoming=f"fd:{fd}", fd=fd)
+            state.pid = await self._spawn(net, boot, paths, memory="stream", incoming=f"fd:{fd}", fd=fd)
         finally:
             os.close(fd)
         write_marker(paths, state)
@@ -525,14 +540,14 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         net: SandboxNetwork,
         snapshot: SnapshotRef,
         paths: QemuPaths,
-        state: dict[str, Any],
+        state: QemuState,
         phases: Phases,
     ) -> None:
         """Make ``spare`` this sandbox's VM: the marker names it first (a crash from here on
         kills it with the sandbox), then its open files get the snapshot's content and move into
         the sandbox's directories, its tap into the sandbox's netns."""
         spare, tap_kept = claimed
-        state["pid"], state["vm_owner"] = spare.pid, str(spare.paths.root)
+        state.pid, state.vm_owner = spare.pid, str(spare.paths.root)
         write_marker(paths, state)
         try:
             await asyncio.to_thread(self._fill_spare, spare.paths, snapshot, paths)
@@ -595,7 +610,8 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
         Always full (see the module docstring): ``dest.parent`` is ignored. A failed snapshot
         leaves the VM running."""
         paths = self.paths(instance.sandbox_id)
-        memory: Memory = instance.state.get("memory", "stream")
+        state = self._state(instance)
+        memory = state.memory
         dest.path.mkdir(parents=True, exist_ok=True)
         phases = Phases()
         qmp = await Qmp.connect(paths.qmp)
@@ -612,7 +628,7 @@ class QemuRuntime(MicroVmRuntime[QemuPaths]):
                 await qmp.execute("cont")
         finally:
             await qmp.close()
-        write_snapshot_meta(dest, instance.state, accel=self.accel, runtime=self.name, memory=memory)
+        write_snapshot_meta(dest, state, accel=self.accel, runtime=self.name, memory=memory)
         if stop:
             await self._stop_keeping_network(instance, paths)
         phases.mark("stop_vm" if stop else "cont")

@@ -1,8 +1,8 @@
-"""The registry database (SQLAlchemy Core, async): one SQLite file per node by default, or one
+"""The database (SQLAlchemy Core, async): one SQLite file per node by default, or one
 PostgreSQL shared by a cluster's nodes and gateways (``settings.database_url``).
 
-:func:`open_registry` opens the engine and brings the schema to the newest Alembic revision
-(``migrations/``) before anything reads it; :class:`Registry` is what the stores share: the engine
+:func:`open_database` opens the engine and brings the schema to the newest Alembic revision
+(``migrations/``) before anything reads it; :class:`Database` is what the stores share: the engine
 and this node's id (every sandbox row, snapshot row and snapshot copy names its node).
 """
 
@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class Registry:
+class Database:
     engine: AsyncEngine
     #: This process's node (rows it writes carry it; a node reads and recovers only its own).
     node_id: str
@@ -61,14 +61,14 @@ class Registry:
         self, run: Callable[[Callable[[Connection], T]], T], fn: Callable[[Connection], T]
     ) -> T:
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkyard-registry")
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkyard-db")
         return await asyncio.get_running_loop().run_in_executor(self._thread, run, fn)
 
     def _read_sync(self, fn: Callable[[Connection], T]) -> T:
         return self._write_sync(fn)  # a read-only transaction: SQLite begins nothing for a SELECT
 
     def _write_sync(self, fn: Callable[[Connection], T]) -> T:
-        # One connection, held by the registry thread: checking one out of a pool per statement
+        # One connection, held by the database thread: checking one out of a pool per statement
         # costs three times the statement.
         if self._sync_conn is None:
             assert self.sync_engine is not None
@@ -91,14 +91,14 @@ class Registry:
         await self.engine.dispose()
 
 
-async def open_registry(settings: Settings) -> Registry:
-    """Open ``settings``' registry, migrated to the newest schema."""
-    return await open_registry_at(
-        settings.registry_url, settings.node_name, shared=bool(settings.database_url)
+async def open_database(settings: Settings) -> Database:
+    """Open ``settings``' database, migrated to the newest schema."""
+    return await open_database_at(
+        settings.resolved_database_url, settings.node_name, shared=bool(settings.database_url)
     )
 
 
-async def open_registry_at(url: str, node_id: str, *, shared: bool) -> Registry:
+async def open_database_at(url: str, node_id: str, *, shared: bool) -> Database:
     engine = engine_for(url)
     try:
         await upgrade(engine, node_id=node_id, adopt=not shared)
@@ -108,7 +108,7 @@ async def open_registry_at(url: str, node_id: str, *, shared: bool) -> Registry:
     path = sqlite_path(url)
     if path is not None:
         path.chmod(0o600)
-    return Registry(engine=engine, node_id=node_id, shared=shared, sync_engine=sqlite_sync_engine(url))
+    return Database(engine=engine, node_id=node_id, shared=shared, sync_engine=sqlite_sync_engine(url))
 
 
-__all__ = ["Registry", "engine_for", "open_engine", "open_registry", "open_registry_at", "upgrade"]
+__all__ = ["Database", "engine_for", "open_database", "open_database_at", "open_engine", "upgrade"]

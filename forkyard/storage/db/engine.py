@@ -1,11 +1,11 @@
-"""Opening the registry's database: an async SQLAlchemy engine for SQLite or PostgreSQL.
+"""Opening the database: an async SQLAlchemy engine for SQLite or PostgreSQL.
 
 SQLite (the single-node default, ``{data_dir}/forkyard.sqlite3``) keeps the settings the aiosqlite
 store had: WAL journal and ``synchronous=NORMAL`` (a commit is one append to the WAL, no fsync of the
 main file), plus a busy timeout so that another connection waits for the writer instead of failing.
 Its ``AsyncEngine`` (aiosqlite) runs the migrations; the stores use :func:`sqlite_sync_engine` on the
-registry's own thread (see :class:`forkyard.storage.db.Registry`). PostgreSQL (a cluster's shared
-registry) gets a small asyncpg connection pool per process.
+database's own thread (see :class:`forkyard.storage.db.Database`). PostgreSQL (a cluster's shared
+database) gets a small asyncpg connection pool per process.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ PG_TIMEOUT_S = 60.0
 
 
 def open_engine(settings: Settings) -> AsyncEngine:
-    """The engine for ``settings.registry_url`` (``database_url``, else the node's SQLite file)."""
-    return engine_for(settings.registry_url)
+    """The engine for ``settings.resolved_database_url`` (``database_url``, else the node's SQLite file)."""
+    return engine_for(settings.resolved_database_url)
 
 
 def engine_for(url: str | URL) -> AsyncEngine:
@@ -71,7 +71,7 @@ def _sqlite_engine(url: URL) -> AsyncEngine:
 
 def sqlite_sync_engine(url: str | URL) -> Engine | None:
     """For a SQLite URL, an engine on the same file through the stdlib driver (one connection:
-    it is used from one thread, :class:`forkyard.storage.db.Registry`); None for other databases."""
+    it is used from one thread, :class:`forkyard.storage.db.Database`); None for other databases."""
     path = sqlite_path(url)
     if path is None:
         return None

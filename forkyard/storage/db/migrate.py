@@ -1,6 +1,6 @@
-"""Running the Alembic migrations programmatically, at start-up, on the registry's own engine.
+"""Running the Alembic migrations programmatically, at start-up, on the database's own engine.
 
-Every process that opens the registry runs ``upgrade head`` first (a no-op when it is current).
+Every process that opens the database runs ``upgrade head`` first (a no-op when it is current).
 On PostgreSQL a transaction-scoped advisory lock serialises nodes and gateways starting at once;
 the whole upgrade is one transaction there (PostgreSQL has transactional DDL), so a failed
 migration leaves the schema as it was.

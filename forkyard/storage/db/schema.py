@@ -1,4 +1,4 @@
-"""Every table of the registry, as one SQLAlchemy Core :data:`metadata` (SQLite and PostgreSQL).
+"""Every table of the database, as one SQLAlchemy Core :data:`metadata` (SQLite and PostgreSQL).
 
 Types are chosen to keep today's SQLite files valid as they are: times are float epoch seconds
 (``Float``: SQLite ``REAL``, PostgreSQL ``double precision``), booleans are ``Integer`` 0/1 and

@@ -1,6 +1,6 @@
 """Alembic's environment: always run by :mod:`forkyard.storage.db.migrate` on a connection it
 passes in ``config.attributes`` (there is no alembic.ini; ``alembic`` on the command line is not
-how the registry is migrated)."""
+how the database is migrated)."""
 
 from __future__ import annotations
 

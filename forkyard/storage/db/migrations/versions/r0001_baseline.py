@@ -1,4 +1,4 @@
-"""The registry as it was before Alembic: sandboxes, sandbox_logs, snapshots, snapshot_copies.
+"""The database as it was before Alembic: sandboxes, sandbox_logs, snapshots, snapshot_copies.
 
 An existing SQLite file (made by the aiosqlite stores, any age) is upgraded in place: tables it
 has are kept and given the columns they lack (what ``_add_missing_columns`` used to do on every
@@ -150,4 +150,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    raise NotImplementedError("the registry's baseline has no downgrade")
+    raise NotImplementedError("the database's baseline has no downgrade")

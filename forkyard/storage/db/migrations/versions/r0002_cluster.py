@@ -23,7 +23,7 @@ _COPY_COLUMNS = "snapshot_id, state, cached, bytes, last_used, uploaded_at, uplo
 def _node_id() -> str:
     node = context.config.attributes.get("node_id")
     if not node:
-        raise RuntimeError("the registry migration needs this node's id")
+        raise RuntimeError("the database migration needs this node's id")
     return str(node)
 
 
@@ -97,4 +97,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    raise NotImplementedError("the registry's cluster revision has no downgrade")
+    raise NotImplementedError("the database's cluster revision has no downgrade")

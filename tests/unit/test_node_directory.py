@@ -1,4 +1,4 @@
-"""The gateway's registry side (forkyard/gateway/registry.py) and the node heartbeat
+"""The gateway's node directory (forkyard/gateway/node_directory.py) and the node heartbeat
 (forkyard/orchestrator/heartbeat.py), on SQLite and on a real PostgreSQL: heartbeats upsert a
 node's row, a stale node is marked lost with its sandboxes killed in one go, exactly once even
 when several gateways look at the same moment, and a node that was lost reaps on its next beat."""
@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import insert, select
 
 from forkyard.config import Settings
-from forkyard.gateway.registry import GatewayRegistry
+from forkyard.gateway.node_directory import NodeDirectory
 from forkyard.orchestrator.heartbeat import Capacity, Heartbeat
-from forkyard.storage.db import open_registry_at, schema
+from forkyard.storage.db import open_database_at, schema
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -54,10 +54,10 @@ async def _measure() -> Capacity:
     return CAPACITY
 
 
-async def test_heartbeats_loss_and_reaping(registry_url: str) -> None:
-    registry = await open_registry_at(registry_url, "node-a", shared=True)
+async def test_heartbeats_loss_and_reaping(database_url: str) -> None:
+    database = await open_database_at(database_url, "node-a", shared=True)
     try:
-        engine = registry.engine
+        engine = database.engine
         reaped: list[str] = []
 
         async def reap() -> None:
@@ -68,7 +68,7 @@ async def test_heartbeats_loss_and_reaping(registry_url: str) -> None:
         await heartbeat.start()
         other = Heartbeat(engine, Settings(node_id="node-b", port=3001, host="10.0.0.2"), _measure)
         await other.beat()
-        gateway = GatewayRegistry(engine)
+        gateway = NodeDirectory(engine)
         nodes = {n.node_id: n for n in await gateway.nodes()}
         assert nodes["node-a"].url == "http://10.0.0.1:3000" and nodes["node-b"].url == "http://10.0.0.2:3001"
         assert nodes["node-a"].warm_templates == {"base"} and nodes["node-a"].memory_free_mib == 6000
@@ -88,7 +88,7 @@ async def test_heartbeats_loss_and_reaping(registry_url: str) -> None:
         # node-a stops beating; two gateways notice at the same moment: one marks it.
         later = time.time() + 30
         results = await asyncio.gather(
-            gateway.mark_lost(10, now=later), GatewayRegistry(engine).mark_lost(10, now=later)
+            gateway.mark_lost(10, now=later), NodeDirectory(engine).mark_lost(10, now=later)
         )
         marked = [lost for found in results for lost in found]
         # node-b's beat is as old: both are lost, each by exactly one gateway.
@@ -116,4 +116,4 @@ async def test_heartbeats_loss_and_reaping(registry_url: str) -> None:
         await heartbeat.stop()
         assert {n.node_id: n.state for n in await gateway.nodes()}["node-a"] == "draining"
     finally:
-        await registry.close()
+        await database.close()

@@ -1,4 +1,4 @@
-"""Runtime selection (forkyard.runtime.registry) on this real host."""
+"""Runtime selection (forkyard.runtime.kinds) on this real host."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from forkyard.config import FirecrackerSettings, QemuSettings, Settings
 from forkyard.errors import Invalid, http_status
 from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
 from forkyard.runtime.firecracker_version import binary_version_problem
-from forkyard.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
-from forkyard.runtime.registry import (
+from forkyard.runtime.kinds import (
     firecracker_unusable_reason,
     get_runtime,
     runtime_names,
     select_runtime,
 )
+from forkyard.runtime.kvm import cpu_has_hardware_virtualisation, kvm_device_unusable_reason
 
 
 def test_runtime_names() -> None:

@@ -1,4 +1,4 @@
-"""What a gateway reads and writes in the shared registry (forkyard/storage/db/schema.py): the
+"""What a gateway reads and writes in the shared database (forkyard/storage/db/schema.py): the
 nodes and their heartbeats, which node owns a sandbox, which nodes hold a snapshot, and the
 marking of lost nodes."""
 
@@ -28,7 +28,7 @@ class Lost:
     sandbox_ids: tuple[str, ...]
 
 
-class GatewayRegistry:
+class NodeDirectory:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 

@@ -1,6 +1,6 @@
 """Which isolation runtimes exist, and which one this node uses.
 
-Runtimes are imported lazily: importing the registry must not pull in (or fail on) the code
+Runtimes are imported lazily: importing this catalogue must not pull in (or fail on) the code
 of a runtime the node never uses.
 """
 
