@@ -8,7 +8,8 @@
 # E2B_REPO is a clone of github.com/e2b-dev/E2B (a bare git directory works too); its
 # packages/python-sdk/tests as tagged for SDK_VERSION (default: its newest python-sdk tag) run with
 # the published `e2b==SDK_VERSION` in a venv of their own, against a `forkyard serve` started here on a
-# free port with a data dir of its own (the shared template cache). The JUnit report and the
+# free port with a data dir and a templates directory of its own (the shared cache's templates
+# linked in). The JUnit report and the
 # server's log are left in $OUT (default /tmp/e2b-sdk-suite); docs/E2B-SUITES.md reads them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,10 @@ fi
 port=$(.venv/bin/python -c 'from tests.support import free_port; print(free_port())')
 tls_port=$(.venv/bin/python -c 'from tests.support import free_port; print(free_port())')
 key="e2b_$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-FORKYARD_DATA_DIR="$OUT/data" FORKYARD_TLS_PORT="$tls_port" FORKYARD_TEMPLATES_PATH=/var/lib/forkyard/templates \
+# Templates the suite builds stay in $OUT: the shared cache lends only what exists.
+mkdir -p "$OUT/templates"
+for t in /var/lib/forkyard/templates/*; do ln -s "$t" "$OUT/templates/"; done
+FORKYARD_DATA_DIR="$OUT/data" FORKYARD_TLS_PORT="$tls_port" FORKYARD_TEMPLATES_PATH="$OUT/templates" \
     FORKYARD_API_KEYS="[\"$key\"]" .venv/bin/forkyard serve --port "$port" >"$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT

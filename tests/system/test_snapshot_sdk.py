@@ -366,6 +366,15 @@ def test_incremental_snapshots_chain_and_survive_deleting_ancestors(forkyard_ser
 
 #: What the server logs for each sandbox it puts into a warm pool.
 POOLED = " ready in "
+#: ... into ``base``'s pool (the shared template cache may hold other templates, pooled too).
+BASE_POOLED = re.compile(r"warm pool \w+:base:\S+: \S+ ready in ")
+
+
+def wait_for_base_pool(server: ServerProcess, count: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(BASE_POOLED.findall(server.log_tail(1 << 20))) < count:
+        assert time.monotonic() < deadline, f"base's pool never had {count}:\n{server.log_tail()}"
+        time.sleep(0.25)
 
 
 def test_deep_snapshot_chains_are_squashed(forkyard_server: ServerProcess) -> None:
@@ -428,7 +437,7 @@ def pooled_server() -> Iterator[ServerProcess]:
 
 def test_template_create_claims_warm_pool_sandboxes(pooled_server: ServerProcess) -> None:
     opts = sdk_opts(pooled_server)
-    wait_for_log(pooled_server, POOLED, count=2)  # two restored sandboxes ready
+    wait_for_base_pool(pooled_server, count=2)  # two restored sandboxes ready
     a = Sandbox.create("base", timeout=120, envs={"RUN": "a"}, **opts)
     b = Sandbox.create("base", timeout=120, envs={"RUN": "b"}, secure=True, **opts)
     try:
@@ -445,7 +454,7 @@ def test_template_create_claims_warm_pool_sandboxes(pooled_server: ServerProcess
         refused = httpx.get(url, headers={"E2b-Sandbox-Id": b.sandbox_id, "E2b-Sandbox-Port": "49983"})
         assert refused.status_code == 401, refused.text
         # The pool refills behind the claims.
-        wait_for_log(pooled_server, POOLED, count=4)
+        wait_for_base_pool(pooled_server, count=4)
     finally:
         a.kill()
         b.kill()
