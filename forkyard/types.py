@@ -105,6 +105,30 @@ class EgressPolicy:
 
 
 @dataclass(frozen=True)
+class VolumeMount:
+    """A volume (a directory of this node, E2B's ``Volume``) bound into a sandbox at ``path``."""
+
+    name: str
+    volume_id: str
+    #: The volume's directory on the host.
+    source: str
+    #: Where the sandbox sees it (absolute, normalised).
+    path: str
+
+    def to_state(self) -> dict[str, str]:
+        return {"name": self.name, "volume_id": self.volume_id, "source": self.source, "path": self.path}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> VolumeMount:
+        return cls(
+            name=str(state["name"]),
+            volume_id=str(state["volume_id"]),
+            source=str(state["source"]),
+            path=str(state["path"]),
+        )
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     sandbox_id: str
     template: TemplateImage
@@ -118,11 +142,15 @@ class SandboxSpec:
     #: Made ahead of demand (a warm-pool sandbox, a standby): it runs at a low CPU weight until
     #: ``Runtime.claimed``, so making one never takes CPU from sandboxes in use.
     ahead_of_demand: bool = False
+    #: Volumes bound into the sandbox (``volumeMounts``); a restore keeps its checkpoint's instead.
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 #: The keys of :attr:`SandboxInstance.state` every runtime writes (read through its properties).
 TEMPLATE_ROOTFS_KEY = "template_rootfs"
 NETWORK_KEY = "network"
+#: Written by the runtimes that mount volumes (a list of :meth:`VolumeMount.to_state`).
+VOLUMES_KEY = "volumes"
 
 
 @dataclass
@@ -154,6 +182,12 @@ class SandboxInstance:
         state), None where it keeps none."""
         value = self.state.get(NETWORK_KEY)
         return value if isinstance(value, dict) and value else None
+
+    @property
+    def volume_mounts(self) -> tuple[VolumeMount, ...]:
+        """The volumes bound into the sandbox (kept across pause, resume and forks)."""
+        value = self.state.get(VOLUMES_KEY)
+        return tuple(VolumeMount.from_state(v) for v in value) if isinstance(value, list) else ()
 
     @classmethod
     def placeholder(cls, sandbox_id: str, runtime: str) -> SandboxInstance:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from forkyard.runtime.gvisor.runsc import Runsc
 from forkyard.runtime.gvisor.upper_delta import Staged
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
-from forkyard.types import SandboxInstance
+from forkyard.types import VOLUMES_KEY, SandboxInstance, VolumeMount
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,26 @@ def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
             "platform": instance.state.get("platform"),
             # /usr/bin/sudo mounted over by envd's (a restore needs the mounts its checkpoint had)
             "sudo_shim": bool(instance.state.get("sudo_shim")),
+            # the volumes bound at checkpoint: the restore binds them again (runsc restores the
+            # mounts its checkpoint had; the volume's files are the volume's, never copied here)
+            VOLUMES_KEY: [v.to_state() for v in instance.volume_mounts],
             "layers": chain,
             "created_at": time.time(),
         },
         indent=2,
     )
+
+
+def saved_volumes(meta: dict[str, Any]) -> tuple[VolumeMount, ...]:
+    """The volumes the snapshot was taken with; :class:`Gone` when one was deleted since."""
+    volumes = tuple(VolumeMount.from_state(v) for v in meta.get(VOLUMES_KEY) or ())
+    for volume in volumes:
+        if not os.path.isdir(volume.source):
+            raise Gone(
+                f"volume {volume.name!r} (mounted at {volume.path} when the snapshot was taken) "
+                "was deleted: the snapshot cannot be restored without it"
+            )
+    return volumes
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -47,12 +47,14 @@ from forkyard.types import (
     ENVD_DEFAULT_WORKDIR_ENV,
     ENVD_FILES_AS_USER_ENV,
     ENVD_PORT,
+    VOLUMES_KEY,
     LiveSnapshots,
     RuntimeName,
     SandboxInstance,
     SandboxMetrics,
     SandboxSpec,
     SnapshotRef,
+    VolumeMount,
 )
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,13 @@ CAPABILITIES = [
 class GvisorRuntime(Runtime):
     name: ClassVar[RuntimeName] = "gvisor"
     capabilities = frozenset(
-        {Capability.FREEZE, Capability.FILESYSTEM_PAUSE, Capability.EXPORT_ROOT, Capability.ROOT_LAYERS}
+        {
+            Capability.FREEZE,
+            Capability.FILESYSTEM_PAUSE,
+            Capability.EXPORT_ROOT,
+            Capability.ROOT_LAYERS,
+            Capability.VOLUMES,
+        }
     )
 
     def __init__(self, settings: Settings) -> None:
@@ -283,6 +291,16 @@ class GvisorRuntime(Runtime):
         shim = str(envd_bundle / "bin" / SUDO_SHIM)
         return [{"destination": "/usr/bin/sudo", "type": "bind", "source": shim, "options": ["bind", "ro"]}]
 
+    @staticmethod
+    def _volume_mounts(volumes: tuple[VolumeMount, ...]) -> list[dict[str, Any]]:
+        """Each volume's directory bound read-write: its files go through the gofer as any other
+        host file (shared with every sandbox that binds it; runsc's default ``shared`` file access
+        for mounts other than the root revalidates what another sandbox changed)."""
+        return [
+            {"destination": v.path, "type": "bind", "source": v.source, "options": ["rbind", "rw"]}
+            for v in volumes
+        ]
+
     def oci_spec(
         self,
         spec: SandboxSpec,
@@ -342,6 +360,7 @@ class GvisorRuntime(Runtime):
                     "options": ["rbind", "ro"],
                 },
                 *self._sudo_mounts(envd_bundle, sudo_shim),
+                *self._volume_mounts(spec.volumes),
             ],
             "linux": {
                 "namespaces": [
@@ -395,6 +414,7 @@ class GvisorRuntime(Runtime):
                 "disk_mb": spec.template.disk_mb,
                 "platform": self.runsc.platform(),
                 "sudo_shim": sudo_shim,
+                VOLUMES_KEY: [v.to_state() for v in spec.volumes],
             },
         )
 
@@ -620,6 +640,7 @@ class GvisorRuntime(Runtime):
             await _both(net_step, disk_step)
             net, rootfs = net_step.result(), disk_step.result()
             sudo_shim = bool(meta.get("sudo_shim"))  # as the checkpoint had it (older ones: none)
+            spec = dataclasses.replace(spec, volumes=checkpoint.saved_volumes(meta))
             self._write_bundle(spec, net, rootfs, envd_bundle, sudo_shim)
             instance = self._instance(spec, net, envd_bundle, sudo_shim)
             t = time.monotonic()
