@@ -102,7 +102,7 @@ def test_two_sandboxes_share_a_volume_across_pause_and_resume(forkyard_server: S
         b = Sandbox.connect(b.sandbox_id)
         assert run(b, f"cat {MNT}/a.txt {MNT}/b.txt") == "from-a\nwhile-a-paused"
 
-        with pytest.raises(VolumeException, match="409: volume .* is mounted by sandbox"):
+        with pytest.raises(VolumeException, match=r"409: volume .* is mounted by sandbox"):
             Volume.destroy(vol.volume_id)
     finally:
         a.kill()
