@@ -382,7 +382,11 @@ class Gateway:
                 return error_response(503, f"node {node_id}, which holds volume {volume_id}, is not up")
             if node is None:
                 return await self._first_that_knows(request.method, target, body, headers)
-            return self._response(await self.nodes_client.call(node, request.method, target, body, headers))
+            content = path.startswith("/volumecontent/")
+            reply = await self.nodes_client.call(
+                node, request.method, target, body, headers, keep_authorization=content
+            )
+            return self._response(reply)
         except NodeUnreachable as exc:
             log.warning("gateway: %s", exc)
             return error_response(503, "the node holding this volume is unreachable; try again")
