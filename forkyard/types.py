@@ -111,6 +111,30 @@ class EgressPolicy:
 
 
 @dataclass(frozen=True)
+class VolumeMount:
+    """A volume (a directory of this node, E2B's ``Volume``) bound into a sandbox at ``path``."""
+
+    name: str
+    volume_id: str
+    #: The volume's directory on the host.
+    source: str
+    #: Where the sandbox sees it (absolute, normalised).
+    path: str
+
+    def to_state(self) -> dict[str, str]:
+        return {"name": self.name, "volume_id": self.volume_id, "source": self.source, "path": self.path}
+
+    @classmethod
+    def from_state(cls, saved: Mapping[str, Any]) -> VolumeMount:
+        return cls(
+            name=str(saved["name"]),
+            volume_id=str(saved["volume_id"]),
+            source=str(saved["source"]),
+            path=str(saved["path"]),
+        )
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     sandbox_id: str
     template: TemplateImage
@@ -124,6 +148,8 @@ class SandboxSpec:
     #: Made ahead of demand (a warm-pool sandbox, a standby): it runs at a low CPU weight until
     #: ``Runtime.claimed``, so making one never takes CPU from sandboxes in use.
     ahead_of_demand: bool = False
+    #: Volumes bound into the sandbox (``volumeMounts``); a restore keeps its checkpoint's instead.
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 #: Where the sandboxes' network namespaces are (``ip netns``'s directory).
@@ -181,6 +207,9 @@ class SandboxInstance:
     #: The sandbox's network link; None while it has none (a paused-to-disk sandbox gave its
     #: slot back, a placeholder never had one).
     network: SandboxNetwork | None = None
+    #: The volumes bound into the sandbox (kept across pause, resume and forks: every restore
+    #: binds them again).
+    volume_mounts: tuple[VolumeMount, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -201,6 +230,7 @@ class SandboxInstance:
             state=state,
             template_rootfs=str(rootfs) if rootfs else None,
             network=SandboxNetwork.from_state(net) if isinstance(net, Mapping) and net else None,
+            volume_mounts=tuple(VolumeMount.from_state(v) for v in data.get("volume_mounts") or ()),
         )
 
     @classmethod

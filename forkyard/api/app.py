@@ -16,6 +16,7 @@ from forkyard.api import (
     routes_network,
     routes_sandboxes,
     routes_templates,
+    routes_volumes,
 )
 from forkyard.api.console import install as install_console
 from forkyard.api.e2b_wire import http_domain
@@ -100,6 +101,8 @@ def create_app(
     app.include_router(routes_templates.router)
     app.include_router(routes_lifecycle.router)
     app.include_router(routes_fork_stream.router)  # ours: children as they come up
+    app.include_router(routes_volumes.router)
+    app.include_router(routes_volumes.content_router)  # the volume's token, not the API key
     install_console(app)  # /console and /node: our extensions (forkyard/api/console)
 
     def make_proxy(inner: Any) -> SandboxProxy:

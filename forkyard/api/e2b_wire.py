@@ -41,6 +41,9 @@ def listed_fields(rec: SandboxRecord) -> dict[str, object]:
         "metadata": rec.metadata,
         "state": "paused" if rec.state == SandboxState.PAUSED else "running",
         "envd_version": rec.envd_version,
+        "volume_mounts": [{"name": m.name, "path": m.path} for m in rec.instance.volume_mounts]
+        if rec.instance
+        else [],
     }
 
 

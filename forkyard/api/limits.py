@@ -23,7 +23,7 @@ MAX_REQUEST_BYTES = 16 << 20
 _DRAIN_BYTES = 64 << 20
 #: Template build context uploads stream to disk with a limit of their own: E2B sends them to a
 #: presigned object-storage URL, outside its API and its limit.
-STREAMED_PATHS = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$")
+STREAMED_PATHS = re.compile(r"^/templates/[^/]+/files/[^/]+/upload$|^/volumecontent/[^/]+/file$")
 
 
 def _content_length(scope: Scope) -> int | None:

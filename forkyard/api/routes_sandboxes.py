@@ -21,6 +21,7 @@ from forkyard.api.e2b_wire import (
 )
 from forkyard.api.image_sandboxes import requested_image, template_for_image
 from forkyard.api.routes_network import create_network
+from forkyard.api.routes_volumes import resolve_mounts
 from forkyard.api.schemas import (
     MAX_TIMEOUT_SECONDS,
     ConnectSandbox,
@@ -42,7 +43,7 @@ from forkyard.orchestrator.lifecycle import CreateRequest, Orchestrator
 from forkyard.orchestrator.logs import LEVELS, log_record
 from forkyard.orchestrator.metrics_history import MetricSample
 from forkyard.orchestrator.store import ListQuery, LogLine, SandboxRecord
-from forkyard.types import SandboxState
+from forkyard.types import SandboxState, VolumeMount
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -126,11 +127,11 @@ def check_timeout(seconds: int) -> int:
     return seconds
 
 
-def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> CreateRequest:
+def _create_request(
+    body: NewSandbox, *, secure: bool, default_timeout: int, volumes: tuple[VolumeMount, ...] = ()
+) -> CreateRequest:
     timeout = body.timeout if body.timeout is not None else default_timeout
     check_timeout(timeout)
-    if body.volume_mounts:
-        raise Invalid("volume mounts are not supported on this node")
     if body.auto_resume and body.auto_resume.enabled and not body.auto_pause:
         raise Invalid("autoResume requires autoPause")
     if body.auto_resume and body.auto_resume.enabled and not body.auto_pause_memory:
@@ -149,6 +150,7 @@ def _create_request(body: NewSandbox, *, secure: bool, default_timeout: int) -> 
         auto_pause_memory=body.auto_pause_memory,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         allow_public_traffic=network.allow_public_traffic is not False if network else True,
+        volumes=volumes,
     )
 
 
@@ -158,7 +160,11 @@ async def _create(
     image = requested_image(body.template_id, body.metadata, orch.settings)
     if image is not None:
         body = body.model_copy(update={"template_id": await template_for_image(request, image)})
-    req = _create_request(body, secure=secure, default_timeout=orch.settings.default_timeout_seconds)
+    mounts = [(m.name, m.path) for m in body.volume_mounts or ()]
+    volumes = await resolve_mounts(request, mounts) if mounts else ()
+    req = _create_request(
+        body, secure=secure, default_timeout=orch.settings.default_timeout_seconds, volumes=volumes
+    )
     try:
         rec = await orch.create(req, idempotency_key=idempotency_key)
     except templates.TemplateNotFound:

@@ -77,6 +77,8 @@ _LISTS = {
     "/v2/templates": "templateID",
 }
 _CREATES = frozenset({"/sandboxes", "/v2/sandboxes"})
+#: A volume's routes go to the node whose disk holds it (``/volumecontent`` with its own token).
+_VOLUME_BY_ID = re.compile(r"^/(?:volumes|volumecontent)/(?P<id>[^/]+)(?:/.*)?$")
 #: Answers that mean "no such thing here": try another node, drop a cached owner.
 _MISSING = frozenset({404, 410})
 #: How long the nodes table is reused between reads (placement and owner lookups).
@@ -248,6 +250,8 @@ class Gateway:
         path, method = request.url.path, request.method
         if path == "/health":
             return Response(status_code=204)
+        if path.startswith("/volumecontent/"):  # the volume's token, checked by its node
+            return await self._on_volume_node(request, path)
         key = presented_key(request)  # type: ignore[arg-type]
         if key is None:
             return error_response(401, "missing API key: send it in the X-API-Key header")
@@ -274,6 +278,12 @@ class Gateway:
                 return await self._by_sandbox(
                     normalise_sandbox_id(m.group("id")), method, target, body, headers
                 )
+            if path == "/volumes":  # rows shared by all nodes; a new volume on the roomiest node
+                if method == "POST":
+                    return await self._on_roomiest(method, target, body, headers)
+                return await self._first_that_knows(method, target, body, headers)
+            if _VOLUME_BY_ID.match(path):
+                return await self._on_volume_node(request, path)
             if method == "POST" and path == "/v3/templates":
                 return await self._on_roomiest(method, target, body, headers)
             if _TEMPLATE_BY_ID.match(path):
@@ -359,8 +369,48 @@ class Gateway:
                     learned += 1
         return learned
 
+    async def _on_volume_node(self, request: Request, path: str) -> Response:
+        """A volume's route on the node holding it; an unknown volume's on any node (its 404/401)."""
+        m = _VOLUME_BY_ID.match(path)
+        volume_id = m.group("id") if m else ""
+        target = path + (f"?{request.url.query}" if request.url.query else "")
+        body, headers = await request.body(), list(request.headers.items())
+        try:
+            node_id = (await self.db.volume_nodes(ids=[volume_id])).get(volume_id)
+            node = await self.node(node_id) if node_id else None
+            if node_id and node is None:
+                return error_response(503, f"node {node_id}, which holds volume {volume_id}, is not up")
+            if node is None:
+                return await self._first_that_knows(request.method, target, body, headers)
+            content = path.startswith("/volumecontent/")
+            reply = await self.nodes_client.call(
+                node, request.method, target, body, headers, keep_authorization=content
+            )
+            return self._response(reply)
+        except NodeUnreachable as exc:
+            log.warning("gateway: %s", exc)
+            return error_response(503, "the node holding this volume is unreachable; try again")
+
+    async def _volume_node(self, body: bytes) -> str | None:
+        """The node a create must go to: the one holding its ``volumeMounts``' volumes (a
+        volume is a directory of one node); None when it mounts none (or only unknown ones,
+        which any node refuses)."""
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            mounts = json.loads(body).get("volumeMounts") or []
+            names = [str(m["name"]) for m in mounts]
+            if names:
+                found = await self.db.volume_nodes(names=names)
+                nodes = {found[n] for n in names if n in found}
+                if len(nodes) > 1:
+                    raise Invalid(
+                        "volumeMounts name volumes of different nodes: a sandbox can mount one node's"
+                    )
+                return nodes.pop() if nodes else None
+        return None
+
     async def _create(self, target: str, body: bytes, headers: list[tuple[str, str]]) -> Response:
         reference = None
+        pinned = await self._volume_node(body)
         with contextlib.suppress(ValueError, AttributeError):
             reference = json.loads(body).get("templateID")
         need = Need(
@@ -371,6 +421,12 @@ class Gateway:
         ranked = placement.candidates(
             await self.nodes(refresh=True), need, now, self.fresh_within, self._placed
         )
+        if pinned is not None:
+            ranked = [n for n in ranked if n.node_id == pinned]
+            if not ranked:
+                return error_response(
+                    503, f"node {pinned}, which holds the mounted volumes, has no room or is down"
+                )
         if not ranked:
             return error_response(503, "no node has room for a sandbox now (or none is up)")
         last: Reply | None = None

@@ -194,6 +194,8 @@ async def plan_spill(
     parent = await gw.store.get_any(parent_id)
     if parent is None or parent.network.egress is not None:
         return None  # outbound rules are not carried by a create: the node answers what it can
+    if parent.instance is not None and parent.instance.volume_mounts:
+        return None  # its volumes are directories of its node: children elsewhere could not mount them
     others = [n for n in nodes if n.node_id != node.node_id]
     plan = placement.spread(others, req.count - local, Need(), time.time(), gw.fresh_within, gw.placed)
     if not any(plan):

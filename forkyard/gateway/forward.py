@@ -89,11 +89,16 @@ class NodeClient:
         target: str,
         body: bytes = b"",
         headers: Sequence[tuple[str, str]] = (),
+        *,
+        keep_authorization: bool = False,
     ) -> Reply:
-        """``target`` (path and query, as the client sent them) on ``node``, signed."""
-        sent = [
-            (k, v) for k, v in headers if k.lower() not in HOP_BY_HOP | _GATEWAY_ONLY | {"content-length"}
-        ]
+        """``target`` (path and query, as the client sent them) on ``node``, signed.
+        ``keep_authorization``: the client's ``Authorization`` goes on (a volume's token, which the
+        node checks; never the API key, which the gateway checked)."""
+        dropped = HOP_BY_HOP | _GATEWAY_ONLY | {"content-length"}
+        if keep_authorization:
+            dropped -= {"authorization"}
+        sent = [(k, v) for k, v in headers if k.lower() not in dropped]
         # Template build context uploads are streamed at the node: it checks no body hash for them.
         streamed = STREAMED_PATHS.match(target.split("?", 1)[0]) is not None
         digest = nodeauth.UNSIGNED_PAYLOAD if streamed else nodeauth.body_hash(body)

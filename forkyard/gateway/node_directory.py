@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import delete, func, insert, or_, select, update
@@ -62,6 +63,19 @@ class NodeDirectory:
         async with self.engine.connect() as conn:
             row = (await conn.execute(query)).first()
         return None if row is None else str(row[0])
+
+    async def volume_nodes(self, *, ids: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, str]:
+        """The node holding each named volume, by volume id and by name (unknown ones left out)."""
+        v = schema.volumes
+        query = select(v.c.volume_id, v.c.name, v.c.node_id).where(
+            or_(v.c.volume_id.in_(list(ids)), v.c.name.in_(list(names)))
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        found: dict[str, str] = {}
+        for volume_id, name, node_id in rows:
+            found[str(volume_id)] = found[str(name)] = str(node_id)
+        return found
 
     async def envd_tokens(self) -> list[tuple[str, str]]:
         """(sandbox id, envd access token) of every running sandbox that has a token."""

@@ -93,6 +93,7 @@ from forkyard.types import (
     SandboxSpec,
     SandboxState,
     TemplateImage,
+    VolumeMount,
 )
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class CreateRequest:
     auto_pause_memory: bool = True
     auto_resume: bool = False
     allow_public_traffic: bool = True
+    #: ``volumeMounts`` resolved to this node's volume directories.
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -457,8 +460,11 @@ class Orchestrator:
         return self.route_table.all()
 
     @staticmethod
-    def _spec(rec: SandboxRecord, image: TemplateImage) -> SandboxSpec:
+    def _spec(rec: SandboxRecord, image: TemplateImage, volumes: tuple[VolumeMount, ...] = ()) -> SandboxSpec:
+        """``volumes``: a new sandbox's; a kept disk booted again keeps its instance's (a restore
+        takes its checkpoint's, whatever the spec says)."""
         return SandboxSpec(
+            volumes=volumes or (rec.instance.volume_mounts if rec.instance else ()),
             sandbox_id=rec.sandbox_id,
             template=image,
             envs=rec.envs,
@@ -484,10 +490,21 @@ class Orchestrator:
     async def _create(self, req: CreateRequest) -> SandboxRecord:
         row = await self.catalog.find_user_snapshot(req.template_id)
         if row is not None:
+            if req.volumes:
+                raise Invalid(
+                    "volumeMounts cannot be given when creating from a snapshot: a restored sandbox "
+                    "keeps the volumes the snapshot was taken with"
+                )
             return await self._from_user_snapshot(row, req)
         info = templates.load(req.template_id, self.settings)
         runtime = self.runtimes.for_template(info.image)
-        snap = await self.template_snapshots.lookup(info, runtime)
+        if req.volumes and Capability.VOLUMES not in runtime.capabilities:
+            raise Invalid(
+                f"volumeMounts are not supported by the {runtime.name} runtime (no virtiofs or 9p share "
+                "into its microVMs here): use a gVisor template"
+            )
+        # A template snapshot's checkpoint has no volumes bound: a sandbox with volumes boots.
+        snap = None if req.volumes else await self.template_snapshots.lookup(info, runtime)
         if snap is not None:
             rec = await self._from_template_snapshot(snap, req)
             if rec is not None:
@@ -500,7 +517,7 @@ class Orchestrator:
             image=info.image,
             origin="boot",
         )
-        rec = await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds)
+        rec = await self._bring_up(new, runtime, Boot(info.image), req.timeout_seconds, req.volumes)
         if info.start is not None and rec.instance is not None:
             # A boot, not the template's snapshot: start the start command it would have running.
             await self.template_snapshots.start_command(info, rec.instance, rec.envd_access_token)
@@ -550,7 +567,12 @@ class Orchestrator:
         return await self._bring_up(rec, self._runtime(rec), Restore(row, image), req.timeout_seconds)
 
     async def _bring_up(
-        self, rec: SandboxRecord, runtime: Runtime, source: Source, timeout_seconds: int
+        self,
+        rec: SandboxRecord,
+        runtime: Runtime,
+        source: Source,
+        timeout_seconds: int,
+        volumes: tuple[VolumeMount, ...] = (),
     ) -> SandboxRecord:
         """The one way a sandbox comes up: database row, runtime instance (boot, restore or a
         pooled one), envd ``/init``, running. Each step registers its undo; a failure undoes them
@@ -567,7 +589,8 @@ class Orchestrator:
                         rec.instance or SandboxInstance.placeholder(rec.sandbox_id, runtime.name)
                     ),
                 )
-                rec.instance = await self._materialise(runtime, source, self._spec(rec, source.image))
+                spec = self._spec(rec, source.image, volumes)
+                rec.instance = await self._materialise(runtime, source, spec)
                 up = time.monotonic()
                 # A pooled sandbox had its restore's /init when it was made: this one only hands over.
                 await self.envd.init(
@@ -709,6 +732,15 @@ class Orchestrator:
         if rec is None or rec.state == S.KILLED:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
         return rec
+
+    async def sandboxes_mounting(self, volume_id: str) -> list[str]:
+        """The sandboxes of this node (running or paused) that have volume ``volume_id`` bound."""
+        held = await self.store.in_states(s for s in S if s != S.KILLED)
+        return [
+            rec.sandbox_id
+            for rec in held
+            if rec.instance and any(m.volume_id == volume_id for m in rec.instance.volume_mounts)
+        ]
 
     async def list_sandboxes(self, query: ListQuery) -> list[SandboxRecord]:
         return await self.store.query(query)

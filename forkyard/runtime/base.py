@@ -42,6 +42,8 @@ class Capability(enum.StrEnum):
     EXPORT_ROOT = "export_root"
     #: :meth:`Runtime.root_layers`: a template build's step cache.
     ROOT_LAYERS = "root_layers"
+    #: ``SandboxSpec.volumes`` are bound into the sandbox (and kept by its snapshots and restores).
+    VOLUMES = "volumes"
 
 
 class Runtime(abc.ABC):

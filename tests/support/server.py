@@ -58,7 +58,12 @@ class ServerProcess:
     @property
     def sdk_env(self) -> dict[str, str]:
         """The environment variables the official SDKs read (Python and JS)."""
-        return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.api_key}
+        return {
+            "E2B_API_URL": self.url,
+            "E2B_SANDBOX_URL": self.url,
+            "E2B_API_KEY": self.api_key,
+            "E2B_VOLUME_API_URL": self.url,  # the volume content API is the same listener
+        }
 
     @property
     def sdk_opts(self) -> dict[str, str]:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import NotFoundException, Sandbox, SandboxQuery
-from e2b.exceptions import ServiceBusyException
+from e2b import NotFoundException, Sandbox, SandboxQuery, Volume
+from e2b.exceptions import ServiceBusyException, VolumeException
 
 from forkyard.api import nodeauth
 from tests.support import base_template_missing, free_port
@@ -94,6 +94,30 @@ def test_creates_spread_over_both_nodes_and_envd_works_through_the_gateway(clust
         upload = sbx.upload_url("/home/user/uploaded.txt")
         assert httpx.post(upload, files={"file": ("u.txt", b"uploaded via a signed URL")}).status_code == 200
         assert sbx.files.read("/home/user/uploaded.txt") == "uploaded via a signed URL"
+
+
+def test_a_volume_lives_on_one_node_and_its_sandboxes_are_placed_there(cluster: Cluster) -> None:
+    api = {"api_key": API_KEY, "api_url": cluster.gateway.url}
+    vol = Volume.create("cluster-vol", **api)
+    home = cluster.rows("SELECT node_id FROM volumes WHERE volume_id = :v", v=vol.volume_id)[0][0]
+    assert home in ("node-a", "node-b")
+    # The content API through the gateway, to the node holding the volume (the volume's token).
+    vol.write_file("/seed.txt", "from the content API", api_url=cluster.gateway.url)
+    assert [v.name for v in Volume.list(**api)].count("cluster-vol") == 1
+    # One at a time (node a takes A_MAX_SANDBOXES and holds one already); unpinned, two creates in
+    # a row would spread over both nodes (see the test above).
+    for i in range(2):
+        sbx = Sandbox.create(timeout=120, volume_mounts={"/mnt/v": vol}, **cluster.sdk)
+        try:
+            assert cluster.owner(sbx.sandbox_id) == home
+            sbx.commands.run(f"cat /mnt/v/seed.txt > /mnt/v/copy{i}.txt")
+            with pytest.raises(VolumeException, match="409"):
+                Volume.destroy(vol.volume_id, **api)
+        finally:
+            sbx.kill()
+    for i in range(2):
+        assert vol.read_file(f"/copy{i}.txt", api_url=cluster.gateway.url) == "from the content API"
+    assert Volume.destroy(vol.volume_id, **api) is True
 
 
 def test_list_shows_sandboxes_of_both_nodes(cluster: Cluster) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from forkyard.config import Settings
-from forkyard.errors import Conflict, Failed, NotFound
+from forkyard.errors import Conflict, Failed, Invalid, NotFound
 from forkyard.orchestrator.envd_client import WARM_UP_COMMAND
 from forkyard.orchestrator.lifecycle import (
     EDGES,
@@ -25,7 +26,7 @@ from forkyard.orchestrator.lifecycle import (
 from forkyard.orchestrator.store import NetworkPolicy, SandboxRecord
 from forkyard.orchestrator.timing import utcnow
 from forkyard.orchestrator.undo import Undo
-from forkyard.types import ENVD_INIT_REVALIDATE, SandboxState
+from forkyard.types import ENVD_INIT_REVALIDATE, SandboxState, VolumeMount
 from tests.support.loopback import LoopbackRuntime, write_template
 
 #: Every test on both registry backends (the default SQLite file, and PostgreSQL).
@@ -194,6 +195,18 @@ async def test_an_unknown_template_is_not_found(orchestrator: tuple[Orchestrator
     orch, _ = orchestrator
     with pytest.raises(NotFound, match="template 'nope' not found"):
         await orch.create(request("nope"))
+
+
+async def test_volume_mounts_on_a_runtime_without_volumes_are_a_clear_400(
+    orchestrator: tuple[Orchestrator, LoopbackRuntime],
+) -> None:
+    """What the QEMU and Firecracker runtimes answer too (they do not have ``Capability.VOLUMES``)."""
+    orch, runtime = orchestrator
+    mount = VolumeMount(name="v", volume_id="1", source=str(orch.settings.data_dir), path="/mnt/v")
+    req = dataclasses.replace(request(), volumes=(mount,))
+    with pytest.raises(Invalid, match="volumeMounts are not supported by the loopback runtime"):
+        await orch.create(req)
+    assert runtime.servers == {}  # nothing was started
 
 
 async def test_pause_resume_keep_the_id_and_move_through_the_states(

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ from forkyard.runtime.gvisor.state import GvisorState
 from forkyard.runtime.gvisor.upper_delta import Staged
 from forkyard.runtime.network import SandboxNetwork
 from forkyard.storage.atomic import write_json_atomic
-from forkyard.types import SandboxInstance
+from forkyard.types import SandboxInstance, VolumeMount
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ MEMORY_DIR = "memory"
 META_FILE = "meta.json"
 #: Version of meta.json; 1 (snapshots that copied the whole upper) is no longer restorable.
 META_FORMAT = 2
+#: The checkpoint meta's list of the volumes bound when it was taken.
+VOLUMES_META_KEY = "volumes"
 #: Deepest chain of snapshot layers a sandbox stands on before the oldest ones are squashed into
 #: one (every file lookup that misses walks the whole chain; overlayfs allows far more).
 MAX_CHAIN = 16
@@ -94,11 +97,26 @@ def write_meta(dest: Path, instance: SandboxInstance, chain: list[str]) -> None:
             "platform": state.platform,
             # /usr/bin/sudo mounted over by envd's (a restore needs the mounts its checkpoint had)
             "sudo_shim": state.sudo_shim,
+            # the volumes bound at checkpoint: the restore binds them again (runsc restores the
+            # mounts its checkpoint had; the volume's files are the volume's, never copied here)
+            VOLUMES_META_KEY: [v.to_state() for v in instance.volume_mounts],
             "layers": chain,
             "created_at": time.time(),
         },
         indent=2,
     )
+
+
+def saved_volumes(meta: dict[str, Any]) -> tuple[VolumeMount, ...]:
+    """The volumes the snapshot was taken with; :class:`Gone` when one was deleted since."""
+    volumes = tuple(VolumeMount.from_state(v) for v in meta.get(VOLUMES_META_KEY) or ())
+    for volume in volumes:
+        if not os.path.isdir(volume.source):
+            raise Gone(
+                f"volume {volume.name!r} (mounted at {volume.path} when the snapshot was taken) "
+                "was deleted: the snapshot cannot be restored without it"
+            )
+    return volumes
 
 
 def read_meta(path: Path) -> dict[str, Any]:

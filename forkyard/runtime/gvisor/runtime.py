@@ -56,6 +56,7 @@ from forkyard.types import (
     SandboxMetrics,
     SandboxSpec,
     SnapshotRef,
+    VolumeMount,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,13 @@ CAPABILITIES = [
 class GvisorRuntime(Runtime):
     name: ClassVar[RuntimeName] = "gvisor"
     capabilities = frozenset(
-        {Capability.FREEZE, Capability.FILESYSTEM_PAUSE, Capability.EXPORT_ROOT, Capability.ROOT_LAYERS}
+        {
+            Capability.FREEZE,
+            Capability.FILESYSTEM_PAUSE,
+            Capability.EXPORT_ROOT,
+            Capability.ROOT_LAYERS,
+            Capability.VOLUMES,
+        }
     )
 
     def __init__(self, settings: Settings) -> None:
@@ -279,6 +286,16 @@ class GvisorRuntime(Runtime):
         shim = str(envd_bundle / "bin" / SUDO_SHIM)
         return [{"destination": "/usr/bin/sudo", "type": "bind", "source": shim, "options": ["bind", "ro"]}]
 
+    @staticmethod
+    def _volume_mounts(volumes: tuple[VolumeMount, ...]) -> list[dict[str, Any]]:
+        """Each volume's directory bound read-write: its files go through the gofer as any other
+        host file (shared with every sandbox that binds it; runsc's default ``shared`` file access
+        for mounts other than the root revalidates what another sandbox changed)."""
+        return [
+            {"destination": v.path, "type": "bind", "source": v.source, "options": ["rbind", "rw"]}
+            for v in volumes
+        ]
+
     def oci_spec(
         self,
         spec: SandboxSpec,
@@ -339,6 +356,7 @@ class GvisorRuntime(Runtime):
                     "options": ["rbind", "ro"],
                 },
                 *self._sudo_mounts(envd_bundle, sudo_shim),
+                *self._volume_mounts(spec.volumes),
             ],
             "linux": {
                 "namespaces": [
@@ -383,6 +401,7 @@ class GvisorRuntime(Runtime):
             address=net.sandbox_ip,
             template_rootfs=str(spec.template.rootfs),
             network=net,
+            volume_mounts=spec.volumes,
             state=GvisorState(
                 container_id=self.paths(spec.sandbox_id).container_id,
                 envd_bundle=str(envd_bundle),
@@ -617,6 +636,7 @@ class GvisorRuntime(Runtime):
             await _both(net_step, disk_step)
             net, rootfs = net_step.result(), disk_step.result()
             sudo_shim = bool(meta.get("sudo_shim"))  # as the checkpoint had it (older ones: none)
+            spec = dataclasses.replace(spec, volumes=checkpoint.saved_volumes(meta))
             self._write_bundle(spec, net, rootfs, envd_bundle, sudo_shim)
             instance = self._instance(spec, net, envd_bundle, sudo_shim)
             t = time.monotonic()

@@ -11,6 +11,7 @@ compares them (``tests/unit/test_db_migrations.py``).
 - ``snapshots``: shared rows (a durable snapshot is restorable on any node); ``node_id`` is the
   node that took it, whose disk has (or had) its directory.
 - ``snapshot_copies``: a node's local copy of a snapshot (keyed by snapshot and node).
+- ``volumes``: E2B's volumes (named directories); ``node_id`` is the node whose disk holds it.
 - ``nodes``: the cluster's nodes and their last heartbeat (written by ``forkyard node serve``,
   read by the gateway).
 """
@@ -111,6 +112,17 @@ snapshot_copies = Table(
     Column("uploaded_at", Float),
     Column("upload_ms", Integer),
     Column("error", Text),
+)
+
+volumes = Table(
+    "volumes",
+    metadata,
+    Column("volume_id", Text, primary_key=True),
+    Column("name", Text, nullable=False, unique=True),
+    #: The bearer token of the volume content API (``VolumeAndToken.token``).
+    Column("token", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("node_id", Text, nullable=False, server_default=text("''")),
 )
 
 #: ``state``: ``up`` (heartbeating), ``draining`` (takes no new sandboxes), ``lost`` (missed its

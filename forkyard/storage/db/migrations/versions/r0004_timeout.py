@@ -1,8 +1,8 @@
 """The timeout a sandbox was created with (``sandboxes.timeout_seconds``): an auto-resume gives
 it that again (E2B's). Rows from before get 0, read as the default timeout.
 
-Revision ID: r0003
-Revises: r0002
+Revision ID: r0004
+Revises: r0003
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "r0003"
-down_revision = "r0002"
+revision = "r0004"
+down_revision = "r0003"
 branch_labels = None
 depends_on = None
 
