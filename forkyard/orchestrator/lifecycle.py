@@ -378,12 +378,20 @@ class Orchestrator:
             yield rec
 
     async def _enter(
-        self, rec: SandboxRecord, state: SandboxState, *, tier: PauseTier | _Keep | None = KEEP_TIER
+        self,
+        rec: SandboxRecord,
+        state: SandboxState,
+        *,
+        tier: PauseTier | _Keep | None = KEEP_TIER,
+        defer: bool = False,
     ) -> None:
         """Record ``rec``'s move to ``state`` (and pause ``tier``, unless kept) and persist it:
-        the one gate of every state and tier change (the caller holds the lock)."""
+        the one gate of every state and tier change (the caller holds the lock). ``defer``: for
+        what has happened whatever the registry says (a kill, a create undone): a registry out of
+        reach gets the record later (``save_or_defer``) instead of failing the step half-way."""
         if state != rec.state and state not in EDGES[rec.state]:
             raise Failed(f"sandbox {rec.sandbox_id}: no transition from {rec.state} to {state}")
+        before = (rec.state, rec.pause_tier)
         if not isinstance(tier, _Keep) and tier != rec.pause_tier:
             if tier not in TIER_EDGES[rec.pause_tier]:
                 raise Failed(
@@ -393,7 +401,15 @@ class Orchestrator:
                 raise Failed(f"sandbox {rec.sandbox_id}: a pause tier ({tier}) outside paused ({state})")
             rec.pause_tier = tier
         rec.state = state
-        await self.store.save(rec)
+        if defer:
+            await self.store.save_or_defer(rec)
+            return
+        try:
+            await self.store.save(rec)
+        except BaseException:
+            # Not recorded: the record stays in the state it was (an undo starts from there).
+            rec.state, rec.pause_tier = before
+            raise
 
     def _runtime(self, rec: SandboxRecord) -> Runtime:
         return self.runtimes.named(rec.runtime)
@@ -591,7 +607,7 @@ class Orchestrator:
         counted here: a paused sandbox keeps its place."""
         cap = self.settings.max_sandboxes
         if cap <= 0:
-            await self.store.insert(rec)
+            await self._insert(rec)
             return
         async with self._admission:
             held = len(await self.store.in_states(ADMITTED_STATES))
@@ -602,7 +618,17 @@ class Orchestrator:
                 raise LimitReached(
                     f"this node runs its maximum of {cap} concurrent sandboxes (FORKYARD_MAX_SANDBOXES)"
                 )
+            await self._insert(rec)
+
+    async def _insert(self, rec: SandboxRecord) -> None:
+        try:
             await self.store.insert(rec)
+        except Unavailable:
+            # Lost in its commit the row may exist after all: it is recorded killed once the
+            # registry answers (an UPDATE: nothing happens where no row was made).
+            rec.state, rec.end_at = S.KILLED, utcnow()
+            await self.store.save_or_defer(rec)
+            raise
 
     async def _materialise(self, runtime: Runtime, source: Source, spec: SandboxSpec) -> SandboxInstance:
         if isinstance(source, Boot):
@@ -628,7 +654,7 @@ class Orchestrator:
 
     async def _mark_failed(self, rec: SandboxRecord, runtime: Runtime) -> None:
         rec.end_at = utcnow()
-        await self._enter(rec, S.KILLED)
+        await self._enter(rec, S.KILLED, defer=True)
         log.warning("create of %s on %s failed; its record is marked killed", rec.sandbox_id, runtime.name)
 
     def _new_record(
@@ -771,9 +797,11 @@ class Orchestrator:
         self._detach(rec.sandbox_id)
         try:
             await self.logs.collect(rec)  # the files go away with the sandbox
-        except OSError as exc:
+        except (OSError, ForkyardError) as exc:  # ForkyardError: the registry out of reach
             log.warning("collecting the logs of %s failed: %s", rec.sandbox_id, exc)
-        await self._enter(rec, S.KILLING)
+        # Deferred writes: once detached, the kill goes through whatever the registry does (a
+        # kill that stopped here would leave a running sandbox no route and no record names).
+        await self._enter(rec, S.KILLING, defer=True)
         instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
         runtime = self._runtime(rec)
         try:
@@ -783,7 +811,7 @@ class Orchestrator:
             raise Failed(f"killing sandbox {rec.sandbox_id} failed: {exc}") from exc
         pause_snapshot, rec.pause_snapshot = rec.pause_snapshot, None
         rec.end_at = min(rec.end_at, utcnow())
-        await self._enter(rec, S.KILLED)
+        await self._enter(rec, S.KILLED, defer=True)
         self.logs.forget(rec.sandbox_id)
         await self.logs.event(rec.sandbox_id, "info", f"sandbox killed: {reason}")
         release = self._release(runtime, instance, pause_snapshot, runtime_done=release_now)
