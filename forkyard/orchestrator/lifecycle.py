@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import enum
+import errno
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from forkyard.errors import (
     Failed,
     ForkyardError,
     Gone,
+    InsufficientStorage,
     Invalid,
     LimitReached,
     NotFound,
@@ -220,11 +222,36 @@ def failure(exc: BaseException, what: str) -> BaseException:
     """Why ``what`` failed, as an error kind the API can answer with: the kind of an
     :class:`ForkyardError` is kept; anything unexpected is :class:`Failed` (the caller chains
     the cause)."""
+    if out_of_space(exc):
+        message = exc.message if isinstance(exc, ForkyardError) else f"{type(exc).__name__}: {exc}"
+        return InsufficientStorage(f"{what} failed: the node's disk is full ({message})")
     if isinstance(exc, ForkyardError):
         return type(exc)(f"{what} failed: {exc.message}")
     if isinstance(exc, Exception):
         return Failed(f"{what} failed: {type(exc).__name__}: {exc}")
     return exc  # cancellation and interpreter exits pass as they are
+
+
+#: How the tools the runtimes run (runsc, cp, mkfs) and the kernel say "disk full".
+_OUT_OF_SPACE_TEXTS = ("no space left on device", "disk quota exceeded", "database or disk is full")
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is the node's disk being full: an ``OSError`` ENOSPC or
+    EDQUOT, or a runtime tool's failure whose output says so (runsc's "statefile error: no space
+    left on device"). E2B answers these 507 (the SDK's ``NotEnoughSpaceException`` for envd)."""
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, InsufficientStorage):
+            return True
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(current, ForkyardError | OSError) and any(
+            text in str(current).lower() for text in _OUT_OF_SPACE_TEXTS
+        ):
+            return True
+        current = current.__cause__
+    return False
 
 
 def _created_message(rec: SandboxRecord) -> str:

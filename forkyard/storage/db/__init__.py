@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from forkyard.config import Settings
 from forkyard.storage.db.engine import engine_for, open_engine, sqlite_path, sqlite_sync_engine
 from forkyard.storage.db.migrate import upgrade
-from forkyard.storage.db.outage import connection_lost, reconnecting, unavailable
+from forkyard.storage.db.outage import connection_lost, full_disk_as_507, reconnecting, unavailable
 
 T = TypeVar("T")
 
@@ -57,9 +57,10 @@ class Registry:
 
     async def write(self, fn: Callable[[Connection], T]) -> T:
         """``fn(connection)`` in one transaction, committed when it returns."""
-        if self.sync_engine is not None:
-            return await self._on_thread(self._write_sync, fn)
-        return await reconnecting(lambda: self._write_async(fn))
+        with full_disk_as_507():
+            if self.sync_engine is not None:
+                return await self._on_thread(self._write_sync, fn)
+            return await reconnecting(lambda: self._write_async(fn))
 
     async def _write_async(self, fn: Callable[[Connection], T]) -> T:
         async with self.engine.connect() as conn:

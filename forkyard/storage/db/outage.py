@@ -12,13 +12,14 @@ bug or a conflict and passes unchanged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError
 
-from forkyard.errors import ForkyardError, Unavailable
+from forkyard.errors import ForkyardError, InsufficientStorage, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,32 @@ def _is_lost(exc: BaseException) -> bool:
     )
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether the database refused a write for want of disk: SQLite's SQLITE_FULL ("database or
+    disk is full"), PostgreSQL's 53100 ``disk_full``."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if getattr(orig, "sqlstate", None) == "53100":
+        return True
+    return "database or disk is full" in str(orig)
+
+
 def unavailable(exc: BaseException, what: str = "") -> Unavailable:
     """The 503 a lost connection is answered with."""
     message = f"{what}: {UNAVAILABLE_MESSAGE}" if what else UNAVAILABLE_MESSAGE
     return Unavailable(message)
+
+
+@contextlib.contextmanager
+def full_disk_as_507() -> Iterator[None]:
+    """A write the database refused for want of disk is E2B's 507, not a 500."""
+    try:
+        yield
+    except ForkyardError:
+        raise
+    except Exception as exc:
+        if disk_full(exc):
+            raise InsufficientStorage(f"the registry's disk is full: {exc}") from exc
+        raise
 
 
 async def reconnecting(op: Callable[[], Awaitable[T]], what: str = "") -> T:
