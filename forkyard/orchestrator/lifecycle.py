@@ -1218,8 +1218,13 @@ class Orchestrator:
         """Back to running if the sandbox survived, else destroy it (never leak it)."""
         log.warning("snapshot of %s failed: %s", rec.sandbox_id, exc)
         if await self._is_alive(rec):
-            await self._enter(rec, S.RUNNING)
+            # Reachable again first: a registry that cannot take the write now (its disk full,
+            # the very reason the snapshot failed) must not cut a running sandbox off.
             self._attach(rec)
+            try:
+                await self._enter(rec, S.RUNNING)
+            except ForkyardError as save_failed:  # the row says running already
+                log.warning("recording %s running again failed: %s", rec.sandbox_id, save_failed)
             return
         await self._destroy(rec, reason=f"snapshot failed and the sandbox did not survive: {exc}")
 
