@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forkyard.errors import ForkyardError, http_status
+from forkyard.storage.db.outage import UNAVAILABLE_MESSAGE, connection_lost
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ async def _http_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    if connection_lost(exc):  # the registry out of reach where no layer below said so: E2B's 503
+        log.warning("%s %s: registry unreachable: %s", request.method, request.url.path, exc)
+        return error_response(503, UNAVAILABLE_MESSAGE)
     log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, f"internal server error: {type(exc).__name__}")
 

@@ -55,7 +55,7 @@ from forkyard.api.errors import error_response
 from forkyard.api.limits import BodyLimit
 from forkyard.api.relay import SignedFilesUrl, Target, find_target, not_found_message, send_error
 from forkyard.config import Settings
-from forkyard.errors import ForkyardError, Invalid, http_status
+from forkyard.errors import ForkyardError, Invalid, Unavailable, http_status
 from forkyard.gateway import placement
 from forkyard.gateway.fork import ForkRequest, Spill, plan_spill
 from forkyard.gateway.forward import EnvdRelay, NodeClient, NodeUnreachable, Reply
@@ -143,7 +143,14 @@ class Gateway:
 
     async def nodes(self, *, refresh: bool = False) -> list[NodeInfo]:
         if refresh or time.monotonic() - self._nodes_read > _NODES_TTL_S:
-            self._nodes = await self.db.nodes()
+            try:
+                self._nodes = await self.db.nodes()
+            except Unavailable:
+                if not self._nodes:
+                    raise
+                # The registry restarting moves no node: sandbox traffic goes on to the last known.
+                log.warning("gateway: the registry is out of reach; using the node list read before")
+                return self._nodes
             self._nodes_read = time.monotonic()
             placement.forget_seen(self._placed, self._nodes, placement.DEFAULT_MEMORY_MIB)
         return self._nodes
@@ -189,13 +196,22 @@ class Gateway:
         interval = max(
             0.2, min(self.settings.node_heartbeat_seconds, self.settings.node_lost_after_seconds / 3)
         )
+        lost_after = self.settings.node_lost_after_seconds
+        # While the registry was out of reach no node could write its heartbeat either: a node
+        # is judged by its heartbeats only once the registry has answered for ``lost_after``
+        # again (else a PostgreSQL restart longer than that would make every node lost).
+        judged_from = time.monotonic()
         while True:
             try:
-                for lost in await self.db.mark_lost(self.settings.node_lost_after_seconds):
+                if time.monotonic() - judged_from < lost_after:
+                    await self.db.nodes()  # the registry answers: the wait counts from here on
+                    await asyncio.sleep(interval)
+                    continue
+                for lost in await self.db.mark_lost(lost_after):
                     log.warning(
                         "node %s lost (no heartbeat for %.0f s): its sandboxes %s reported killed",
                         lost.node_id,
-                        self.settings.node_lost_after_seconds,
+                        lost_after,
                         ", ".join(lost.sandbox_ids) or "(none)",
                     )
                     for sid in lost.sandbox_ids:
@@ -203,6 +219,7 @@ class Gateway:
                     await self.nodes(refresh=True)
             except Exception:  # the database may be briefly unreachable: try again next round
                 log.exception("gateway: checking node liveness failed")
+                judged_from = time.monotonic()
             await asyncio.sleep(interval)
 
     # -- ASGI ----------------------------------------------------------------------------------
@@ -210,19 +227,17 @@ class Gateway:
     async def envd(self, scope: Scope, receive: Receive, send: Send) -> bool:
         """Relay sandbox traffic; False: the request is for the control plane."""
         target = find_target(scope, (self.settings.domain, self.settings.sandbox_domain))
-        if target is None and scope["type"] == "http" and scope.get("path") == "/files":
-            target = await self._signed_target(scope)
-        if target is None:
-            return False
-        node = await self.owner(target.sandbox_id)
+        try:
+            if target is None and scope["type"] == "http" and scope.get("path") == "/files":
+                target = await self._signed_target(scope)
+            if target is None:
+                return False
+            node = await self.owner(target.sandbox_id)
+        except ForkyardError as exc:  # the registry out of reach: 503, never a bare 500
+            await _refuse(scope, receive, send, http_status(exc), exc.message, target)
+            return True
         if node is None:
-            if scope["type"] == "websocket":
-                await receive()
-                await send(
-                    {"type": "websocket.close", "code": 1011, "reason": not_found_message(target.sandbox_id)}
-                )
-            else:
-                await send_error(send, 502, not_found_message(target.sandbox_id), target.sandbox_id)
+            await _refuse(scope, receive, send, 502, not_found_message(target.sandbox_id), target)
             return True
         if scope["type"] == "websocket":
             await self.relay.websocket(scope, receive, send, target, node)
@@ -556,6 +571,17 @@ def _merge(lists: list[Any], key: str) -> list[Any]:
             if ident not in found or _detail(item) > _detail(found[ident]):
                 found[ident] = item
     return list(found.values())
+
+
+async def _refuse(
+    scope: Scope, receive: Receive, send: Send, code: int, message: str, target: Target | None
+) -> None:
+    """Answer sandbox traffic the gateway cannot route: an E2B-shaped error, or a WebSocket close."""
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.close", "code": 1011, "reason": message})
+    else:
+        await send_error(send, code, message, target.sandbox_id if target else None)
 
 
 def _detail(item: Any) -> tuple[int, int]:

@@ -8,12 +8,14 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy import Executable, delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from forkyard.gateway.placement import NodeInfo
 from forkyard.storage.db import schema
+from forkyard.storage.db.outage import reconnecting
 from forkyard.types import HELD_STATES, REACHABLE_STATES, SandboxState
 
 #: A lost node's sandboxes in these states are reported gone (``killed``).
@@ -33,16 +35,23 @@ class NodeDirectory:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
+    async def _rows(self, query: Executable) -> list[Any]:
+        """The rows of a read; a connection lost on the way is tried again, then answered 503."""
+
+        async def run() -> list[Any]:
+            async with self.engine.connect() as conn:
+                return list((await conn.execute(query)).all())
+
+        return await reconnecting(run, "reading the registry")
+
     async def nodes(self) -> list[NodeInfo]:
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(select(schema.nodes))).mappings().all()
-        return [NodeInfo.from_row(dict(r)) for r in rows]
+        rows = await self._rows(select(schema.nodes))
+        return [NodeInfo.from_row(dict(r._mapping)) for r in rows]
 
     async def node_rows(self) -> list[dict[str, object]]:
         """Every ``nodes`` row, all columns (``GET /node`` on a gateway)."""
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(select(schema.nodes).order_by(schema.nodes.c.node_id))).mappings()
-            return [dict(r) for r in rows.all()]
+        rows = await self._rows(select(schema.nodes).order_by(schema.nodes.c.node_id))
+        return [dict(r._mapping) for r in rows]
 
     async def sandbox_counts(self) -> list[tuple[str, str, str | None, int]]:
         """(node id, state, pause tier, how many) of the sandboxes the SDK can still reach."""
@@ -52,17 +61,15 @@ class NodeDirectory:
             .where(s.c.state.in_(_REACHABLE_STATES))
             .group_by(s.c.node_id, s.c.state, s.c.pause_tier)
         )
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
+        rows = await self._rows(query)
         return [(str(r[0]), str(r[1]), None if r[2] is None else str(r[2]), int(r[3])) for r in rows]
 
     async def owner(self, sandbox_id: str) -> str | None:
         """The node owning a sandbox the SDK can still reach, else None (answered as gone)."""
         s = schema.sandboxes
         query = select(s.c.node_id).where(s.c.sandbox_id == sandbox_id, s.c.state.in_(_REACHABLE_STATES))
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(query)).first()
-        return None if row is None else str(row[0])
+        rows = await self._rows(query)
+        return str(rows[0][0]) if rows else None
 
     async def volume_nodes(self, *, ids: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, str]:
         """The node holding each named volume, by volume id and by name (unknown ones left out)."""
@@ -83,8 +90,7 @@ class NodeDirectory:
         query = select(s.c.sandbox_id, s.c.envd_access_token).where(
             s.c.state == str(SandboxState.RUNNING), s.c.envd_access_token.is_not(None)
         )
-        async with self.engine.connect() as conn:
-            return [(str(r[0]), str(r[1])) for r in (await conn.execute(query)).all()]
+        return [(str(r[0]), str(r[1])) for r in await self._rows(query)]
 
     async def holders(self, reference: str) -> frozenset[str]:
         """Nodes with a local copy of the user snapshot named by ``reference`` (its id or name).
@@ -102,8 +108,7 @@ class NodeDirectory:
                 or_(snaps.c.snapshot_id == reference, snaps.c.name == reference),
             )
         )
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
+        rows = await self._rows(query)
         return frozenset(str(r[0]) for r in rows)
 
     async def mark_lost(self, lost_after: float, now: float | None = None) -> list[Lost]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from forkyard.errors import Failed
+from forkyard.errors import Failed, Unavailable
 from forkyard.orchestrator.durable import DurableSnapshots
 from forkyard.runtime.base import Runtime
 from forkyard.storage import snapshots as storage
@@ -153,7 +153,7 @@ class SnapshotCatalog:
         temp = SnapshotRef(snapshot_id=temp.snapshot_id, path=temp.path, parent=parent)
         try:
             await runtime.snapshot(instance, temp, stop=stop)
-            await asyncio.to_thread(storage.commit_dir, self._data_dir, temp)
+            committed = await asyncio.to_thread(storage.commit_dir, self._data_dir, temp)
         except BaseException:
             await asyncio.to_thread(storage.remove_dir, temp.path)
             raise
@@ -168,7 +168,14 @@ class SnapshotCatalog:
             info=dataclasses.replace(meta, duration_ms=round((time.monotonic() - started) * 1000)).info(),
             parent_id=parent.snapshot_id if parent else None,
         )
-        await self.store.add(row)
+        try:
+            await self.store.add(row)
+        except Unavailable:
+            raise  # its commit may have gone through: the directory stays (start-up sweeps orphans)
+        except BaseException:
+            # No row names it (a full disk refused the row): no snapshot is left half-made.
+            await asyncio.to_thread(storage.remove_dir, committed.path)
+            raise
         if self.durable is not None:
             await self.durable.committed(row)
         return row

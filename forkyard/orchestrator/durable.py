@@ -61,6 +61,9 @@ LAYERS_DIR = "disk-layers"
 META_FILE = "meta.json"
 #: Concurrent uploads: each hashes and compresses on the CPU (two cores here).
 UPLOAD_SLOTS = 2
+#: An upload the store refused (out of reach) is tried again after this, doubling up to the max (s).
+UPLOAD_RETRY_FIRST_S = 1.0
+UPLOAD_RETRY_MAX_S = 30.0
 
 
 def row_json(row: SnapshotRow) -> dict[str, Any]:
@@ -209,20 +212,31 @@ class DurableSnapshots:
         task.add_done_callback(lambda _t: self._uploads.pop(sid, None))
 
     async def _upload(self, row: SnapshotRow) -> None:
+        """Upload ``row``; while the store is out of reach, again after a pause that doubles up
+        to ``UPLOAD_RETRY_MAX_S`` (the snapshot stays queued, ``failed`` with the reason, until
+        the store is back or the snapshot is deleted). Other failures are final."""
         sid = row.snapshot_id
-        async with self._upload_slots:
-            if await self.copies.get(sid) is None:
-                return  # deleted while it waited
-            await self.copies.update(sid, state="uploading", error=None)
-            try:
-                report = await asyncio.to_thread(self._upload_sync, row)
-            except Exception as exc:
-                log.warning("uploading snapshot %s failed: %s", sid, exc)
-                await self.copies.update(sid, state="failed", error=str(exc)[:500])
-                return
-            await self.copies.update(
-                sid, state="durable", uploaded_at=time.time(), upload_ms=round(report.seconds * 1000)
-            )
+        pause = UPLOAD_RETRY_FIRST_S
+        while True:
+            async with self._upload_slots:
+                if await self.copies.get(sid) is None:
+                    return  # deleted while it waited
+                await self.copies.update(sid, state="uploading", error=None)
+                try:
+                    report = await asyncio.to_thread(self._upload_sync, row)
+                    break
+                except StoreUnavailable as exc:
+                    log.warning("uploading snapshot %s failed, again in %.0f s: %s", sid, pause, exc)
+                    await self.copies.update(sid, state="failed", error=str(exc)[:500])
+                except Exception as exc:
+                    log.warning("uploading snapshot %s failed: %s", sid, exc)
+                    await self.copies.update(sid, state="failed", error=str(exc)[:500])
+                    return
+            await asyncio.sleep(pause)  # its slot free for others meanwhile
+            pause = min(pause * 2, UPLOAD_RETRY_MAX_S)
+        await self.copies.update(
+            sid, state="durable", uploaded_at=time.time(), upload_ms=round(report.seconds * 1000)
+        )
         log.info(
             "snapshot %s is durable: %d chunks sent (%d bytes), %d reused, layers new %s reused %s, %.0f ms",
             sid,

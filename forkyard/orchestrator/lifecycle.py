@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import enum
+import errno
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from forkyard.errors import (
     Failed,
     ForkyardError,
     Gone,
+    InsufficientStorage,
     Invalid,
     LimitReached,
     NotFound,
@@ -225,11 +227,36 @@ def failure(exc: BaseException, what: str) -> BaseException:
     """Why ``what`` failed, as an error kind the API can answer with: the kind of an
     :class:`ForkyardError` is kept; anything unexpected is :class:`Failed` (the caller chains
     the cause)."""
+    if out_of_space(exc):
+        message = exc.message if isinstance(exc, ForkyardError) else f"{type(exc).__name__}: {exc}"
+        return InsufficientStorage(f"{what} failed: the node's disk is full ({message})")
     if isinstance(exc, ForkyardError):
         return type(exc)(f"{what} failed: {exc.message}")
     if isinstance(exc, Exception):
         return Failed(f"{what} failed: {type(exc).__name__}: {exc}")
     return exc  # cancellation and interpreter exits pass as they are
+
+
+#: How the tools the runtimes run (runsc, cp, mkfs) and the kernel say "disk full".
+_OUT_OF_SPACE_TEXTS = ("no space left on device", "disk quota exceeded", "database or disk is full")
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is the node's disk being full: an ``OSError`` ENOSPC or
+    EDQUOT, or a runtime tool's failure whose output says so (runsc's "statefile error: no space
+    left on device"). E2B answers these 507 (the SDK's ``NotEnoughSpaceException`` for envd)."""
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, InsufficientStorage):
+            return True
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(current, ForkyardError | OSError) and any(
+            text in str(current).lower() for text in _OUT_OF_SPACE_TEXTS
+        ):
+            return True
+        current = current.__cause__
+    return False
 
 
 def _created_message(rec: SandboxRecord) -> str:
@@ -388,12 +415,20 @@ class Orchestrator:
             yield rec
 
     async def _enter(
-        self, rec: SandboxRecord, state: SandboxState, *, tier: PauseTier | _Keep | None = KEEP_TIER
+        self,
+        rec: SandboxRecord,
+        state: SandboxState,
+        *,
+        tier: PauseTier | _Keep | None = KEEP_TIER,
+        defer: bool = False,
     ) -> None:
         """Record ``rec``'s move to ``state`` (and pause ``tier``, unless kept) and persist it:
-        the one gate of every state and tier change (the caller holds the lock)."""
+        the one gate of every state and tier change (the caller holds the lock). ``defer``: for
+        what has happened whatever the registry says (a kill, a create undone): a registry out of
+        reach gets the record later (``save_or_defer``) instead of failing the step half-way."""
         if state != rec.state and state not in EDGES[rec.state]:
             raise Failed(f"sandbox {rec.sandbox_id}: no transition from {rec.state} to {state}")
+        before = (rec.state, rec.pause_tier)
         if not isinstance(tier, _Keep) and tier != rec.pause_tier:
             if tier not in TIER_EDGES[rec.pause_tier]:
                 raise Failed(
@@ -403,7 +438,15 @@ class Orchestrator:
                 raise Failed(f"sandbox {rec.sandbox_id}: a pause tier ({tier}) outside paused ({state})")
             rec.pause_tier = tier
         rec.state = state
-        await self.store.save(rec)
+        if defer:
+            await self.store.save_or_defer(rec)
+            return
+        try:
+            await self.store.save(rec)
+        except BaseException:
+            # Not recorded: the record stays in the state it was (an undo starts from there).
+            rec.state, rec.pause_tier = before
+            raise
 
     def _runtime(self, rec: SandboxRecord) -> Runtime:
         return self.runtimes.named(rec.runtime)
@@ -620,7 +663,7 @@ class Orchestrator:
         counted here: a paused sandbox keeps its place."""
         cap = self.settings.max_sandboxes
         if cap <= 0:
-            await self.store.insert(rec)
+            await self._insert(rec)
             return
         async with self._admission:
             held = len(await self.store.in_states(ADMITTED_STATES))
@@ -631,7 +674,17 @@ class Orchestrator:
                 raise LimitReached(
                     f"this node runs its maximum of {cap} concurrent sandboxes (FORKYARD_MAX_SANDBOXES)"
                 )
+            await self._insert(rec)
+
+    async def _insert(self, rec: SandboxRecord) -> None:
+        try:
             await self.store.insert(rec)
+        except Unavailable:
+            # Lost in its commit the row may exist after all: it is recorded killed once the
+            # registry answers (an UPDATE: nothing happens where no row was made).
+            rec.state, rec.end_at = S.KILLED, utcnow()
+            await self.store.save_or_defer(rec)
+            raise
 
     async def _materialise(self, runtime: Runtime, source: Source, spec: SandboxSpec) -> SandboxInstance:
         if isinstance(source, Boot):
@@ -658,7 +711,7 @@ class Orchestrator:
 
     async def _mark_failed(self, rec: SandboxRecord, runtime: Runtime) -> None:
         rec.end_at = utcnow()
-        await self._enter(rec, S.KILLED)
+        await self._enter(rec, S.KILLED, defer=True)
         log.warning("create of %s on %s failed; its record is marked killed", rec.sandbox_id, runtime.name)
 
     def _new_record(
@@ -810,9 +863,11 @@ class Orchestrator:
         self._detach(rec.sandbox_id)
         try:
             await self.logs.collect(rec)  # the files go away with the sandbox
-        except OSError as exc:
+        except (OSError, ForkyardError) as exc:  # ForkyardError: the registry out of reach
             log.warning("collecting the logs of %s failed: %s", rec.sandbox_id, exc)
-        await self._enter(rec, S.KILLING)
+        # Deferred writes: once detached, the kill goes through whatever the registry does (a
+        # kill that stopped here would leave a running sandbox no route and no record names).
+        await self._enter(rec, S.KILLING, defer=True)
         instance = rec.instance or SandboxInstance.placeholder(rec.sandbox_id, rec.runtime)
         runtime = self._runtime(rec)
         try:
@@ -822,7 +877,7 @@ class Orchestrator:
             raise Failed(f"killing sandbox {rec.sandbox_id} failed: {exc}") from exc
         pause_snapshot, rec.pause_snapshot = rec.pause_snapshot, None
         rec.end_at = min(rec.end_at, utcnow())
-        await self._enter(rec, S.KILLED)
+        await self._enter(rec, S.KILLED, defer=True)
         self.logs.forget(rec.sandbox_id)
         await self.logs.event(rec.sandbox_id, "info", f"sandbox killed: {reason}")
         release = self._release(runtime, instance, pause_snapshot, runtime_done=release_now)
@@ -1214,8 +1269,13 @@ class Orchestrator:
         """Back to running if the sandbox survived, else destroy it (never leak it)."""
         log.warning("snapshot of %s failed: %s", rec.sandbox_id, exc)
         if await self._is_alive(rec):
-            await self._enter(rec, S.RUNNING)
+            # Reachable again first: a registry that cannot take the write now (its disk full,
+            # the very reason the snapshot failed) must not cut a running sandbox off.
             self._attach(rec)
+            try:
+                await self._enter(rec, S.RUNNING)
+            except ForkyardError as save_failed:  # the row says running already
+                log.warning("recording %s running again failed: %s", rec.sandbox_id, save_failed)
             return
         await self._destroy(rec, reason=f"snapshot failed and the sandbox did not survive: {exc}")
 

@@ -13,8 +13,12 @@ the store migrates the schema to the newest revision (``forkyard/storage/db/migr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import copy
 import datetime as dt
 import json
+import logging
 import socket
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -36,6 +40,7 @@ from sqlalchemy import (
 )
 
 from forkyard.config import Settings
+from forkyard.errors import Unavailable
 from forkyard.storage.db import Database, open_database_at
 from forkyard.storage.db.schema import sandbox_logs, sandboxes
 from forkyard.types import LISTED_STATES, EgressPolicy, SandboxInstance, SandboxState
@@ -257,6 +262,11 @@ class ListQuery:
     limit: int | None = None
 
 
+log = logging.getLogger(__name__)
+
+#: How often deferred records are tried again while the registry is out of reach.
+DEFERRED_RETRY_S = 0.5
+
 # The hot path's statements, built once: values travel as execute() parameters, so a write
 # compiles nothing (SQLAlchemy's cache) and builds no expression per value.
 _INSERT = insert(sandboxes)
@@ -276,6 +286,10 @@ class SandboxStore:
         self._shared = bool(database_url)
         self.node_id = node_id or socket.gethostname()
         self._database: Database | None = None
+        #: Records whose save found the registry out of reach (:meth:`save_or_defer`), newest per
+        #: sandbox, written by :meth:`_flush_deferred` once it answers again.
+        self._deferred: dict[str, SandboxRecord] = {}
+        self._flusher: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SandboxStore:
@@ -285,6 +299,15 @@ class SandboxStore:
         self._database = await open_database_at(self._url, self.node_id, shared=self._shared)
 
     async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        if self._deferred and self._database is not None:
+            # A last try; what is still unwritten, start-up's recovery finds by its processes.
+            with contextlib.suppress(Unavailable):
+                await self._write_deferred()
         if self._database is not None:
             await self._database.close()
             self._database = None
@@ -314,12 +337,54 @@ class SandboxStore:
 
     async def save(self, rec: SandboxRecord) -> None:
         """Write every field of ``rec`` back (the orchestrator holds the sandbox's lock)."""
+        await self._save_row(rec)
+        self._deferred.pop(rec.sandbox_id, None)  # older than what was just written
+
+    async def _save_row(self, rec: SandboxRecord) -> None:
         row = _to_row(rec)
         row["_sandbox_id"] = row.pop("sandbox_id")
         await self._write(_SAVE, row)
 
+    async def save_or_defer(self, rec: SandboxRecord) -> bool:
+        """:meth:`save`, or, when the registry is out of reach, keep ``rec`` and write it as soon
+        as the registry answers again (False). For what has already happened and must be
+        recorded whatever the database does: a kill, a create undone. Until it is written,
+        :meth:`get` answers with it. (A save is a whole-row ``UPDATE``: repeating it is safe.)"""
+        try:
+            await self.save(rec)
+            return True
+        except Unavailable:
+            self._deferred[rec.sandbox_id] = copy.deepcopy(rec)
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.create_task(self._flush_deferred(), name="registry-deferred")
+            log.warning("registry unreachable: the record of %s (%s) waits", rec.sandbox_id, rec.state)
+            return False
+
+    @property
+    def deferred(self) -> list[str]:
+        """The sandboxes whose latest record is not written yet."""
+        return list(self._deferred)
+
+    async def _flush_deferred(self) -> None:
+        while self._deferred:
+            await asyncio.sleep(DEFERRED_RETRY_S)
+            with contextlib.suppress(Unavailable):
+                await self._write_deferred()
+
+    async def _write_deferred(self) -> None:
+        for sandbox_id, rec in list(self._deferred.items()):
+            if self._deferred.get(sandbox_id) is not rec:
+                continue  # written, or replaced by a newer one, meanwhile
+            await self._save_row(rec)
+            if self._deferred.get(sandbox_id) is rec:
+                del self._deferred[sandbox_id]
+                log.info("registry back: the deferred record of %s (%s) is written", sandbox_id, rec.state)
+
     async def get(self, sandbox_id: str) -> SandboxRecord | None:
         """This node's sandbox ``sandbox_id`` (None: unknown, or another node's)."""
+        waiting = self._deferred.get(sandbox_id)
+        if waiting is not None:  # newer than its row
+            return copy.deepcopy(waiting)
         rows = await self._rows(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id, self._mine()))
         return _from_row(rows[0]) if rows else None
 

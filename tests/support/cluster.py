@@ -141,21 +141,28 @@ def gateway_proc(database_url: str, port: int, data_dir: Path) -> Proc:
 @contextlib.contextmanager
 def run_cluster(
     database_url: str,
-    s3: S3Server,
+    s3: S3Server | None,
     defaults: Mapping[str, str] = TEST_DEFAULTS,
     node_env: Mapping[str, Mapping[str, str]] | None = None,
     gc_grace_seconds: str = "600",
+    node_names: tuple[str, ...] = tuple(SUBNETS),
 ) -> Iterator[Cluster]:
     """Two nodes and a gateway on ``database_url`` and a new bucket of ``s3`` (``node_env``: more
         variables per node name, e.g. ``{"node-a": {"FORKYARD_MAX_SANDBOXES": "2"}}``; the store's sweep
     grace is the product's 600 s: with 0 a sweep on one node can take a chunk that an upload on the
         other is about to name, which no grace-free protocol on S3 prevents); on the way out
         (after a failure too) dead nodes are started again (their recovery cleans up), every listed
-        sandbox killed, everything stopped and the data dirs removed."""
-    s3_env = s3.forkyard_env(s3.new_bucket(), gc_grace_seconds=gc_grace_seconds, upload_templates="false")
+        sandbox killed, everything stopped and the data dirs removed. ``s3`` None: no snapshot
+        store; ``node_names``: fewer nodes (of ``SUBNETS``)."""
+    s3_env = (
+        {}
+        if s3 is None
+        else s3.forkyard_env(s3.new_bucket(), gc_grace_seconds=gc_grace_seconds, upload_templates="false")
+    )
     gateway_dir = Path(tempfile.mkdtemp(prefix="ae-gw-", dir="/tmp"))
     nodes: dict[str, Proc] = {}
-    for name, subnet in SUBNETS.items():
+    for name in node_names:
+        subnet = SUBNETS[name]
         data_dir = Path(tempfile.mkdtemp(prefix=f"ae-{name[-1]}-", dir="/tmp"))
         port = free_port()
         extra = {

@@ -101,6 +101,15 @@ class Load:
                 assert left > 0, f"the load made no progress: {self.report(0, 0).line()}"
                 self._progress.wait(left)
 
+    def wait_failed(self, after: float, timeout: float = 60) -> None:
+        """Until a call that ended at or after ``after`` (monotonic) has failed: the fault is felt."""
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            while not any(not c.ok and c.ended >= after for c in self.calls):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no call failed during the fault: {self.report(after, after).line()}"
+                self._progress.wait(left)
+
     @property
     def _progress(self) -> threading.Condition:
         if not hasattr(self, "_cond"):

@@ -49,9 +49,21 @@ class PostgresCluster:
     port: int
     socket_dir: Path
     log_path: Path
+    data_dir: Path | None = None
+    #: ``postgres`` options the cluster was started with (``start`` starts it with them again).
+    options: str = ""
 
     def url(self, database: str = ROLE) -> str:
         return f"postgresql+asyncpg://{ROLE}@127.0.0.1:{self.port}/{database}"
+
+    def stop(self) -> None:
+        """Stop the server as an operator's restart does (``-m fast``: sessions are terminated)."""
+        assert self.data_dir is not None
+        _run([str(BIN / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "stop"])
+
+    def start(self) -> None:
+        assert self.data_dir is not None
+        _start(self.data_dir, self.log_path, self.options)
 
     def new_database(self) -> str:
         """A new, empty database's URL (tests that need their own registry)."""
@@ -88,29 +100,20 @@ def postgres_cluster(*, durable: bool = False) -> Iterator[PostgresCluster]:
         options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
         if not durable:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-        _run(
-            [
-                str(BIN / "pg_ctl"),
-                "-D",
-                str(data),
-                "-l",
-                str(log_path),
-                "-o",
-                options,
-                "-w",
-                "-t",
-                "60",
-                "start",
-            ]
-        )
+        _start(data, log_path, options)
         try:
-            cluster = PostgresCluster(port=port, socket_dir=root, log_path=log_path)
+            cluster = PostgresCluster(port, root, log_path, data, options)
             _run([str(BIN / "createdb"), "-h", str(root), "-p", str(port), "-U", ROLE, ROLE])
             yield cluster
         finally:
             _run([str(BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _start(data: Path, log_path: Path, options: str) -> None:
+    pg_ctl = [str(BIN / "pg_ctl"), "-D", str(data), "-l", str(log_path), "-o", options]
+    _run([*pg_ctl, "-w", "-t", "60", "start"])
 
 
 @pytest.fixture(scope="session")

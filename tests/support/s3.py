@@ -83,36 +83,58 @@ class S3Server:
             **extra,
         )
 
+    def stop(self) -> None:
+        """Stop the server (an outage of the store: its in-memory buckets go with it)."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def start(self, ready_timeout: float = 30.0) -> None:
+        """Start it again on the same port (empty: buckets must be made again)."""
+        port = int(self.endpoint.rsplit(":", 1)[1])
+        self.proc = _spawn(port, self.log_path)
+        _wait_ready(self, ready_timeout)
+
+
+def _spawn(port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_ready(server: S3Server, ready_timeout: float) -> None:
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"moto server exited ({server.proc.returncode}): {server.log_path.read_text()}"
+            )
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(server.endpoint + "/moto-api/", timeout=1).status_code < 500:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"moto server not ready in {ready_timeout} s")
+        time.sleep(0.1)
+
 
 @contextlib.contextmanager
 def s3_server(ready_timeout: float = 30.0) -> Iterator[S3Server]:
     """moto's S3 server on 127.0.0.1; stopped (and its in-memory buckets gone) afterwards."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="ae-moto-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    server = S3Server(f"http://127.0.0.1:{port}", proc, Path(log.name))
+    log.close()
+    log_path = Path(log.name)
+    server = S3Server(f"http://127.0.0.1:{port}", _spawn(port, log_path), log_path)
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited ({proc.returncode}): {server.log_path.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(server.endpoint + "/moto-api/", timeout=1).status_code < 500:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"moto server not ready in {ready_timeout} s")
-            time.sleep(0.1)
+        _wait_ready(server, ready_timeout)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        Path(log.name).unlink(missing_ok=True)
+        if server.proc.poll() is None:
+            server.stop()
+        log_path.unlink(missing_ok=True)

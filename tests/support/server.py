@@ -121,8 +121,10 @@ def start_server(
     defaults: Mapping[str, str] = TEST_DEFAULTS,
     ready_timeout: float = READY_TIMEOUT,
     python: Path | None = None,
+    log_dir: Path | None = None,
 ) -> ServerProcess:
-    """Start ``forkyard serve`` on ``data_dir`` and wait until ``/health`` answers.
+    """Start ``forkyard serve`` on ``data_dir`` and wait until ``/health`` answers (its log in
+    ``log_dir``, default the data dir).
 
     ``runtime`` sets ``FORKYARD_RUNTIME`` (else it is inherited, default auto); ``extra_env`` wins
     over ``defaults``. ``python`` runs the server of another environment (an installed wheel; then
@@ -142,7 +144,7 @@ def start_server(
         **(extra_env or {}),
     }
     data_dir.mkdir(parents=True, exist_ok=True)
-    log_path = data_dir / f"server-{port}.log"
+    log_path = (log_dir or data_dir) / f"server-{port}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [str(python or sys.executable), "-m", "forkyard.cli.main", "serve", "--port", str(port)],

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from e2b import Sandbox
+from e2b.exceptions import ServiceBusyException
 
 from tests.support import base_template_missing
 from tests.support.counter import assert_state_continues, start_state
@@ -48,13 +49,16 @@ def storage_of(server: ServerProcess, snapshot_id: str) -> dict[str, object]:
     return storage
 
 
-def wait_durable(server: ServerProcess, snapshot_id: str, timeout: float = 90) -> dict[str, object]:
+def wait_durable(
+    server: ServerProcess, snapshot_id: str, timeout: float = 90, allow_failed: bool = False
+) -> dict[str, object]:
+    """Until the snapshot is durable (``allow_failed``: through failed attempts, retried)."""
     deadline = time.monotonic() + timeout
     while True:
         storage = storage_of(server, snapshot_id)
         if storage["durable"]:
             return storage
-        assert storage["state"] != "failed", storage
+        assert storage["state"] != "failed" or allow_failed, storage
         assert time.monotonic() < deadline, f"snapshot {snapshot_id} never became durable: {storage}"
         time.sleep(0.2)
 
@@ -183,3 +187,54 @@ def test_eviction_under_a_small_cap_never_breaks_a_paused_sandbox(s3: S3Server) 
         assert resumed.files.read("/home/user/base.txt") == "in the snapshot's layer"
         assert "nothing more can be evicted" in server.log_path.read_text()  # the cap was hit
         resumed.kill()
+
+
+def test_a_store_out_of_reach_queues_uploads_and_refuses_only_uncached_restores() -> None:
+    """The snapshot store stopped for a while (issue 28): a snapshot taken meanwhile is
+    committed on the node and its upload waits; creates from a snapshot the node holds go on; a
+    create from one it does not hold fails with a clear 503; once the store is back the waiting
+    upload goes through by itself."""
+    with s3_server() as store:
+        bucket = store.new_bucket()
+        env = {**store.forkyard_env(bucket, upload_templates="false"), "FORKYARD_SANDBOX_SUBNET": SUBNET_A}
+        with serve(prefix="ae-s3o-", extra_env=env) as node:
+            sbx = Sandbox.create(timeout=300, **node.sdk_opts)
+            other = Sandbox.create(timeout=300, **node.sdk_opts)  # shares no disk layer with sbx
+            before = start_state(sbx, "before the outage")
+            cached, uncached = sbx.create_snapshot(), other.create_snapshot()
+            wait_durable(node, cached.snapshot_id)
+            wait_durable(node, uncached.snapshot_id)
+            sbx.kill()
+            other.kill()
+            node.stop()
+            wipe_local_copy(node.data_dir, uncached.snapshot_id)
+            restarted = start_server(node.data_dir, port=node.port, api_key=node.api_key, extra_env=env)
+            try:
+                ids = (cached.snapshot_id, uncached.snapshot_id)
+                queued = _during_an_outage(store, bucket, restarted, *ids, before)
+                wait_durable(restarted, queued, timeout=90, allow_failed=True)
+                assert f"forkyard/snapshots/{queued}.json" in store.keys(bucket)
+            finally:
+                restarted.kill_all_sandboxes()
+                restarted.stop()
+
+
+def _during_an_outage(
+    store: S3Server, bucket: str, node: ServerProcess, cached: str, uncached: str, before: Any
+) -> str:
+    """Stop the store, use the node, start the store again (empty: the bucket is made again);
+    the id of the snapshot taken meanwhile."""
+    store.stop()
+    try:
+        child = Sandbox.create(cached, timeout=300, **node.sdk_opts)
+        assert_state_continues(child, before, "before the outage")
+        queued = child.create_snapshot()  # committed here; its upload waits for the store
+        assert not storage_of(node, queued.snapshot_id)["durable"]
+        with pytest.raises(ServiceBusyException) as refused:
+            Sandbox.create(uncached, timeout=60, **node.sdk_opts)
+        assert "snapshot store" in str(refused.value)  # says why: the store, out of reach
+        child.kill()
+        return queued.snapshot_id
+    finally:
+        store.start()
+        store.client().create_bucket(Bucket=bucket)

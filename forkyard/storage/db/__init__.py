@@ -9,6 +9,7 @@ and this node's id (every sandbox row, snapshot row and snapshot copy names its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from forkyard.config import Settings
 from forkyard.storage.db.engine import engine_for, open_engine, sqlite_path, sqlite_sync_engine
 from forkyard.storage.db.migrate import upgrade
+from forkyard.storage.db.outage import connection_lost, full_disk_as_507, reconnecting, unavailable
 
 T = TypeVar("T")
 
@@ -47,15 +49,36 @@ class Database:
         """``fn(connection)`` outside any write transaction."""
         if self.sync_engine is not None:
             return await self._on_thread(self._read_sync, fn)
+        return await reconnecting(lambda: self._read_async(fn))
+
+    async def _read_async(self, fn: Callable[[Connection], T]) -> T:
         async with self.engine.connect() as conn:
             return await conn.run_sync(fn)
 
     async def write(self, fn: Callable[[Connection], T]) -> T:
         """``fn(connection)`` in one transaction, committed when it returns."""
-        if self.sync_engine is not None:
-            return await self._on_thread(self._write_sync, fn)
-        async with self.engine.begin() as conn:
-            return await conn.run_sync(fn)
+        with full_disk_as_507():
+            if self.sync_engine is not None:
+                return await self._on_thread(self._write_sync, fn)
+            return await reconnecting(lambda: self._write_async(fn))
+
+    async def _write_async(self, fn: Callable[[Connection], T]) -> T:
+        async with self.engine.connect() as conn:
+            transaction = await conn.begin()
+            try:
+                result = await conn.run_sync(fn)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a lost connection has nothing to roll back
+                    await transaction.rollback()
+                raise
+            try:
+                await transaction.commit()
+            except Exception as exc:
+                # Lost during its commit, it may or may not have been committed: never repeated.
+                if connection_lost(exc):
+                    raise unavailable(exc) from exc
+                raise
+            return result
 
     async def _on_thread(
         self, run: Callable[[Callable[[Connection], T]], T], fn: Callable[[Connection], T]
