@@ -54,6 +54,12 @@ class FirecrackerSettings(BaseModel):
     uffd: bool = False
     #: Seconds to wait for the API socket and for envd after InstanceStart.
     boot_timeout: float = 30.0
+    #: A freeze (the first pause tier) first inflates the balloon over the guest's available memory
+    #: but this much (MiB), so a frozen microVM gives its free and cache pages back to the host;
+    #: the thaw deflates it. 0 or less: frozen microVMs keep their memory.
+    freeze_balloon_keep_mib: int = 48
+    #: Seconds a freeze waits for the guest to inflate the balloon (it freezes with what it got).
+    freeze_balloon_seconds: float = 20.0
 
     @property
     def binary(self) -> str:
