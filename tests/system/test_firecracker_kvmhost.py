@@ -16,8 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from e2b import Sandbox
-from e2b.exceptions import CommandExitException
+from e2b import CommandExitException, Sandbox
 from e2b.sandbox.commands.command_handle import PtySize
 from e2b.sandbox.network import ALL_TRAFFIC
 
@@ -52,6 +51,9 @@ def kvm_host() -> Iterator[KvmHost]:
             yield host
             leftover = host.firecracker_pids()
             assert not leftover, f"firecracker processes left in L1: {leftover}"
+            # Every sandbox was killed: no network namespace, no sandbox directory left in L1.
+            left = host.check(f"ls /run/netns | grep '^ae-'; ls -A {host.DATA_DIR}/sandboxes 2>&-; true")
+            assert not left.split(), f"left in L1 after the tests: {left}"
     except KvmHostUnavailable as exc:
         if "svm" in str(exc).lower() or "/dev/kvm" in str(exc):
             pytest.skip(f"QEMU cannot provide AMD SVM here: {exc}")
