@@ -103,9 +103,9 @@ AGENT_PORT = 7000
 MEMORY_MIB = int(os.environ.get("FORKYARD_KVMHOST_MEMORY_MIB", "3072"))
 BOOT_TIMEOUT = 600.0
 #: The base template's disk (MiB) in L1's view of it: the microVMs' disk quota.
-DISK_MB = 256
+DISK_MB = 128
 #: Seconds a paused (frozen) sandbox stays frozen before the node moves it to disk.
-PAUSE_DISK_AFTER_S = 30
+PAUSE_DISK_AFTER_S = 15
 
 INIT = r"""#!/bin/sh
 # L1's init: modules, 9p root, data disk, network; then the agent, chrooted into the host's root.
@@ -523,6 +523,8 @@ class KvmHost:
             "FORKYARD_PAUSE_FREEZE": "true",
             "FORKYARD_PAUSE_DISK_AFTER_SECONDS": str(PAUSE_DISK_AFTER_S),
             "FORKYARD_PAUSE_MIN_AVAILABLE_MIB": "128",
+            # The guest's balloon driver inflates at a few MiB/s under nested emulation.
+            "FORKYARD_FIRECRACKER__FREEZE_BALLOON_SECONDS": "20",
             "FORKYARD_TLS_PORT": "0",
             "FORKYARD_MAX_UPLOAD_BYTES": str(64 << 20),
             **extra,

@@ -23,7 +23,7 @@ from forkyard.runtime.firecracker import api
 
 #: Seconds between looks at the balloon while it inflates, and without progress before giving up.
 POLL_SECONDS = 0.25
-STALL_SECONDS = 3.0
+STALL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
