@@ -523,8 +523,10 @@ class KvmHost:
             "FORKYARD_PAUSE_FREEZE": "true",
             "FORKYARD_PAUSE_DISK_AFTER_SECONDS": str(PAUSE_DISK_AFTER_S),
             "FORKYARD_PAUSE_MIN_AVAILABLE_MIB": "128",
-            # The guest's balloon driver inflates at a few MiB/s under nested emulation.
-            "FORKYARD_FIRECRACKER__FREEZE_BALLOON_SECONDS": "20",
+            # The guest's balloon driver inflates at a few MiB/s under nested emulation: a freeze
+            # asks for less (all but 256 MiB of what the guest has available) and waits longer.
+            "FORKYARD_FIRECRACKER__FREEZE_BALLOON_KEEP_MIB": "256",
+            "FORKYARD_FIRECRACKER__FREEZE_BALLOON_SECONDS": "45",
             "FORKYARD_TLS_PORT": "0",
             "FORKYARD_MAX_UPLOAD_BYTES": str(64 << 20),
             **extra,

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from forkyard.runtime.firecracker import api
 
-#: Seconds between looks at the balloon while it inflates, and without progress before giving up.
+#: Seconds between looks at the balloon while it inflates, and without progress (once the guest
+#: has started giving) before giving up: a guest short of free memory stops short of the target.
 POLL_SECONDS = 0.25
-STALL_SECONDS = 1.0
+STALL_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class Inflation:
 
 async def inflate_for_freeze(client: api.FirecrackerClient, *, keep_mib: int, within: float) -> Inflation:
     """Inflate the balloon by the guest's available memory but ``keep_mib``; wait until the guest
-    has given that much, stopped giving for :data:`STALL_SECONDS`, or ``within`` seconds passed."""
+    has given that much, stopped giving for :data:`STALL_SECONDS` after it started, or ``within``
+    seconds passed (a busy guest takes a while to start)."""
     stats = await client.send(api.balloon_statistics())
     actual = int(stats.get("actual_mib", 0))
     available = stats.get("available_memory")
@@ -56,13 +58,14 @@ async def inflate_for_freeze(client: api.FirecrackerClient, *, keep_mib: int, wi
         return Inflation(target, actual, available_mib)
     await client.send(api.balloon_update(target))
     deadline = time.monotonic() + within
+    started = actual
     progress_at = time.monotonic()
     while actual < target and time.monotonic() < deadline:
         await asyncio.sleep(POLL_SECONDS)
         now = int((await client.send(api.balloon_statistics())).get("actual_mib", 0))
         if now > actual:
             actual, progress_at = now, time.monotonic()
-        elif time.monotonic() - progress_at > STALL_SECONDS:
+        elif actual > started and time.monotonic() - progress_at > STALL_SECONDS:
             break
     return Inflation(target, actual, available_mib)
 
