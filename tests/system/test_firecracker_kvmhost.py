@@ -208,8 +208,10 @@ def test_pause_balloon_disk_tier_snapshots_full_diff_and_file_restore(
 def test_offline_sandbox_and_its_timeout(kvm_host: KvmHost, probe_hosts: ProbeHosts) -> None:
     """``allow_internet_access=False`` closes every destination; a sandbox past its timeout is
     killed by the node, VMM included."""
-    sbx = _create(kvm_host, timeout=90, allow_internet_access=False)
+    sbx = _create(kvm_host, allow_internet_access=False)
     assert _probe(sbx, probe_hosts) == {"public": "BLOCKED", "public2": "BLOCKED", "private": "BLOCKED"}
+    # Set after the probe: at emulated speed a command can outlast any timeout set at create.
+    sbx.set_timeout(5, request_timeout=SLOW)
     deadline = time.monotonic() + SLOW
     while sbx.is_running(request_timeout=SLOW):
         assert time.monotonic() < deadline, "the sandbox outlived its timeout"
