@@ -102,8 +102,9 @@ AGENT_PORT = 7000
 #: L1 memory (MiB): the node plus a few 512 MiB microVMs.
 MEMORY_MIB = int(os.environ.get("FORKYARD_KVMHOST_MEMORY_MIB", "3072"))
 BOOT_TIMEOUT = 600.0
-#: The base template's disk (MiB) in L1's view of it: the microVMs' disk quota.
-DISK_MB = 128
+#: The base template's disk (MiB) in L1's view of it: the microVMs' disk quota (small, so that the
+#: tests fill it quickly; ``make kvm-host`` users may want more).
+DISK_MB = int(os.environ.get("FORKYARD_KVMHOST_DISK_MB", "128"))
 #: Seconds a paused (frozen) sandbox stays frozen before the node moves it to disk.
 PAUSE_DISK_AFTER_S = 15
 
