@@ -609,8 +609,22 @@ class KvmHost:
         return ProbeHosts(PROBE_PORT, addrs)
 
     def firecracker_pids(self) -> list[int]:
-        out = str(self.exec("pgrep -x firecracker || true")["out"])
+        """Running VMMs in L1. Not zombies: a VMM whose node was killed (``restart_server(kill=
+        True)``) is reparented to L1's init, a shell script that need not reap it once killed."""
+        out = str(
+            self.exec("ps -eo pid=,stat=,comm= | awk '$3 == \"firecracker\" && $2 !~ /^Z/ {print $1}'")["out"]
+        )
         return [int(p) for p in out.split()]
+
+    def wait_no_firecracker(self, within: float = 120) -> list[int]:
+        """The VMMs still running after ``within`` seconds (a kill answers before its teardown
+        is complete), with their ``ps`` lines printed."""
+        deadline = time.monotonic() + within
+        while (pids := self.firecracker_pids()) and time.monotonic() < deadline:
+            time.sleep(2)
+        if pids:
+            print(self.exec("ps -eo pid,ppid,stat,etime,args | grep -e firecracker -e PID")["out"])
+        return pids
 
     def shutdown(self) -> None:
         """Stop the node (its sandboxes with it: L1 goes away whole), then QEMU."""

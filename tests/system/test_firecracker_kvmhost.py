@@ -49,7 +49,7 @@ def kvm_host() -> Iterator[KvmHost]:
         with KvmHost.boot() as host:
             print(f"emulated KVM host: node up {host.boot_s:.0f} s after QEMU started")
             yield host
-            leftover = host.firecracker_pids()
+            leftover = host.wait_no_firecracker()
             assert not leftover, f"firecracker processes left in L1: {leftover}"
             # Every sandbox was killed: no network namespace, no sandbox directory left in L1 (the
             # node tears them down after a kill has answered).
