@@ -54,6 +54,14 @@ class FirecrackerSettings(BaseModel):
     uffd: bool = False
     #: Seconds to wait for the API socket and for envd after InstanceStart.
     boot_timeout: float = 30.0
+    #: A freeze (the first pause tier) first inflates the balloon over the guest's available memory
+    #: but this much (MiB), so a frozen microVM gives its free and cache pages back to the host;
+    #: the thaw deflates it. 0 or less: frozen microVMs keep their memory.
+    freeze_balloon_keep_mib: int = 48
+    #: Seconds a freeze waits for the guest to inflate the balloon (it freezes with what it got):
+    #: under KVM a guest gives hundreds of MiB in well under a second; the pause waits this long
+    #: at most.
+    freeze_balloon_seconds: float = 2.0
 
     @property
     def binary(self) -> str:

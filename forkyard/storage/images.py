@@ -44,7 +44,7 @@ from pathlib import Path
 
 from forkyard.config import RegistryMirror, Settings
 from forkyard.errors import Failed, Gone
-from forkyard.storage.atomic import exclusive, publish
+from forkyard.storage.atomic import exclusive, publish, write_atomic
 from forkyard.storage.envd_bundle import MOUNT_POINT, build_envd_bundle, envd_argv, envd_env
 from forkyard.storage.reflink import ReflinkPool
 
@@ -117,6 +117,11 @@ def images_dir(settings: Settings) -> Path:
     return settings.data_dir / "images"
 
 
+def digest_memo(settings: Settings) -> Path:
+    """Where artifact keys' digests are remembered (:func:`_memoized`)."""
+    return images_dir(settings) / "digests"
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
@@ -128,7 +133,47 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
     return proc.stdout
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, memo: Path | None = None) -> str:
+    """sha256 of a file's content; with ``memo`` (a directory), remembered per (path, size,
+    mtime), as a slow disk or an emulated CPU takes long to hash a kernel package."""
+    if memo is None:
+        return _sha256_content(path)
+    st = path.stat()
+    return _memoized(
+        memo, f"file\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}", lambda: _sha256_content(path)
+    )
+
+
+def _memoized(memo: Path, identity: str, compute: Callable[[], str]) -> str:
+    """A digest remembered on disk under ``memo`` by an identity of what it digests. A memo that
+    cannot be written (a read-only share of another node's images) only costs the recomputation."""
+    entry = memo / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        return entry.read_text().strip()
+    digest = compute()
+    with contextlib.suppress(OSError):
+        memo.mkdir(parents=True, exist_ok=True)
+        write_atomic(entry, digest + "\n")
+    return digest
+
+
+def rootfs_digest(rootfs: Path, memo: Path) -> str:
+    """:func:`tree_digest` of a template's root, remembered per build of it: the template's
+    ``.complete`` marker (written last by every build, with the build's time and id) and the
+    root directory's path and mtime identify one build, as the in-memory guest image cache's
+    key does (a rebuild renames a new root into place). Walking the tree takes ~1 s here, minutes
+    on a network file system under emulation (the emulated KVM host's node reads the template
+    over 9p). A root without a marker (not a template build) is walked every time."""
+    real = rootfs.resolve()
+    try:
+        marker = (real.parent / ".complete").read_text()
+        mtime = real.stat().st_mtime_ns
+    except OSError:
+        return tree_digest(rootfs)
+    return _memoized(memo, f"rootfs\0{real}\0{mtime}\0{marker}", lambda: tree_digest(rootfs))
+
+
+def _sha256_content(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -385,7 +430,9 @@ def build_kernel(settings: Settings) -> GuestKernel:
     modules = GUEST_MODULES
     script = init_script()
     key = hashlib.sha256(
-        json.dumps([IMAGE_FORMAT, _sha256_file(deb), script, modules, _sha256_file(BUSYBOX)]).encode()
+        json.dumps(
+            [IMAGE_FORMAT, _sha256_file(deb, digest_memo(settings)), script, modules, _sha256_file(BUSYBOX)]
+        ).encode()
     ).hexdigest()[:16]
     root = images_dir(settings) / "kernel"
     final = root / key
@@ -499,7 +546,8 @@ def _build_cached(directory: Path, name: str, builder: Callable[[Path], object])
 
 
 def build_base_image(settings: Settings, template_id: str, rootfs: Path) -> Path:
-    key = hashlib.sha256(f"{IMAGE_FORMAT}\0{tree_digest(rootfs)}".encode()).hexdigest()[:16]
+    digest = rootfs_digest(rootfs, digest_memo(settings))
+    key = hashlib.sha256(f"{IMAGE_FORMAT}\0{digest}".encode()).hexdigest()[:16]
     directory = images_dir(settings) / "rootfs"
     directory.mkdir(parents=True, exist_ok=True)
     return _build_cached(

@@ -102,6 +102,11 @@ AGENT_PORT = 7000
 #: L1 memory (MiB): the node plus a few 512 MiB microVMs.
 MEMORY_MIB = int(os.environ.get("FORKYARD_KVMHOST_MEMORY_MIB", "3072"))
 BOOT_TIMEOUT = 600.0
+#: The base template's disk (MiB) in L1's view of it: the microVMs' disk quota (small, so that the
+#: tests fill it quickly; ``make kvm-host`` users may want more).
+DISK_MB = int(os.environ.get("FORKYARD_KVMHOST_DISK_MB", "128"))
+#: Seconds a paused (frozen) sandbox stays frozen before the node moves it to disk.
+PAUSE_DISK_AFTER_S = 15
 
 INIT = r"""#!/bin/sh
 # L1's init: modules, 9p root, data disk, network; then the agent, chrooted into the host's root.
@@ -302,6 +307,41 @@ def guest_images_dir(cache: Path = CACHE) -> Path:
 
 # -- a running host -------------------------------------------------------------------------------
 
+PROBE_PORT = 19007
+PROBE_SERVER = (
+    "import socket,threading\n"
+    "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    'import sys; s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(64)\n'
+    "while True:\n"
+    '    c, _ = s.accept(); c.sendall(b"pong"); c.close()\n'
+)
+#: Run inside a sandbox: connect to every address at once; "OPEN" or "BLOCKED" per address.
+PROBE = """python3 - {port} {addrs} <<'EOF'
+import json, socket, sys, concurrent.futures as cf
+def probe(a):
+    try:
+        with socket.create_connection((a, int(sys.argv[1])), timeout=5.0) as c:
+            return "OPEN" if c.recv(4) == b"pong" else "ODD"
+    except OSError:
+        return "BLOCKED"
+with cf.ThreadPoolExecutor(len(sys.argv) - 2) as ex:
+    print(json.dumps(dict(zip(sys.argv[2:], ex.map(probe, sys.argv[2:])))))
+EOF"""
+
+
+@dataclass
+class ProbeHosts:
+    port: int
+    addrs: dict[str, str]
+
+    def probe_command(self) -> str:
+        return PROBE.format(port=self.port, addrs=" ".join(self.addrs.values()))
+
+    def parse(self, stdout: str) -> dict[str, str]:
+        """name -> OPEN/BLOCKED from :meth:`probe_command`'s output."""
+        result = json.loads(stdout)
+        return {name: result[addr] for name, addr in self.addrs.items()}
+
 
 @dataclass
 class KvmHost:
@@ -478,8 +518,16 @@ class KvmHost:
             # Everything in L1, the microVMs included, runs on one emulated CPU.
             "FORKYARD_FIRECRACKER__BOOT_TIMEOUT": "600",
             "FORKYARD_WARM_POOL_HIGH": "0",
-            # A pause writes the VM's memory and state at once (a snapshot), not after 120 s frozen.
-            "FORKYARD_PAUSE_FREEZE": "false",
+            # A pause freezes the VM (balloon inflated) and moves it to disk (a snapshot) this many
+            # seconds later: one pause exercises both tiers. Frozen VMs are not moved early for
+            # want of memory in L1 (the node's default floor is 1 GiB of L1's 3).
+            "FORKYARD_PAUSE_FREEZE": "true",
+            "FORKYARD_PAUSE_DISK_AFTER_SECONDS": str(PAUSE_DISK_AFTER_S),
+            "FORKYARD_PAUSE_MIN_AVAILABLE_MIB": "128",
+            # The guest's balloon driver inflates at a few MiB/s under nested emulation: a freeze
+            # asks for less (all but 256 MiB of what the guest has available) and waits longer.
+            "FORKYARD_FIRECRACKER__FREEZE_BALLOON_KEEP_MIB": "256",
+            "FORKYARD_FIRECRACKER__FREEZE_BALLOON_SECONDS": "45",
             "FORKYARD_TLS_PORT": "0",
             "FORKYARD_MAX_UPLOAD_BYTES": str(64 << 20),
             **extra,
@@ -491,7 +539,7 @@ class KvmHost:
         (self.session / "node.env").write_text("".join(f"export {k}='{v}'\n" for k, v in env.items()))
         images = f"{self.DATA_DIR}/images"
         self.check(
-            f"mkdir -p {images} && for d in debs kernel rootfs envd; do "
+            f"mkdir -p {images} && for d in debs kernel rootfs envd digests; do "
             f"[ -e {images}/$d ] || ln -s {self.images}/$d {images}/$d; done; "
             f"[ -e {self.DATA_DIR}/envd-runtime ] || ln -s {self.images.parent}/envd-runtime {self.DATA_DIR}/"
         )
@@ -502,6 +550,11 @@ class KvmHost:
             f"for t in {SHARED_TEMPLATES}/base/; do n=$(basename $t); d={self.TEMPLATES}/$n; "
             f"[ -e $d ] && continue; mkdir -p $d; for f in $t* $t.[!.]*; do [ -e $f ] || continue; "
             "case $(basename $f) in rootfs) ln -s $f $d/rootfs;; .lock) ;; *) cp -a $f $d/;; esac; done; done"
+        )
+        # A small disk, so that filling it (the quota test) is quick at emulated speed.
+        self.check(
+            f'{REPO}/.venv/bin/python -c "import json,sys; p=sys.argv[1]; m=json.load(open(p)); '
+            f"m['disk_mb']={DISK_MB}; json.dump(m, open(p, 'w'))\" {self.TEMPLATES}/base/template.json"
         )
         self.check(
             f". {self.session}/node.env && cd {REPO} && setsid nohup {REPO}/.venv/bin/python -m "
@@ -534,9 +587,44 @@ class KvmHost:
         self.stop_server(kill=kill)
         self.start_server(extra_env)
 
+    def start_probe_hosts(self) -> ProbeHosts:
+        """TCP servers in a network namespace of L1 on a public (198.18.0.0/15, RFC 2544) and a
+        private (10/8) address, routed from L1's root netns: the destinations of a network policy
+        test, no packet leaves L1. Left to L1's end."""
+        addrs = {"public": "198.18.7.10", "public2": "198.18.7.11", "private": "10.77.7.10"}
+        script = [
+            "ip netns add fyprobe",
+            "ip link add fyprobe0 type veth peer name fyprobe1 netns fyprobe",
+            "ip addr add 172.31.7.1/30 dev fyprobe0 && ip link set fyprobe0 up",
+            "ip -n fyprobe addr add 172.31.7.2/30 dev fyprobe1 && ip -n fyprobe link set fyprobe1 up",
+            "ip -n fyprobe link set lo up && ip -n fyprobe route add default via 172.31.7.1",
+            *(
+                f"ip -n fyprobe addr add {a}/32 dev lo && ip route add {a}/32 via 172.31.7.2"
+                for a in addrs.values()
+            ),
+            f"setsid nohup ip netns exec fyprobe {REPO}/.venv/bin/python -c '{PROBE_SERVER}' {PROBE_PORT} "
+            "> /dev/null 2>&1 < /dev/null &",
+        ]
+        self.check(" && ".join(script))
+        return ProbeHosts(PROBE_PORT, addrs)
+
     def firecracker_pids(self) -> list[int]:
-        out = str(self.exec("pgrep -x firecracker || true")["out"])
+        """Running VMMs in L1. Not zombies: a VMM whose node was killed (``restart_server(kill=
+        True)``) is reparented to L1's init, a shell script that need not reap it once killed."""
+        out = str(
+            self.exec("ps -eo pid=,stat=,comm= | awk '$3 == \"firecracker\" && $2 !~ /^Z/ {print $1}'")["out"]
+        )
         return [int(p) for p in out.split()]
+
+    def wait_no_firecracker(self, within: float = 120) -> list[int]:
+        """The VMMs still running after ``within`` seconds (a kill answers before its teardown
+        is complete), with their ``ps`` lines printed."""
+        deadline = time.monotonic() + within
+        while (pids := self.firecracker_pids()) and time.monotonic() < deadline:
+            time.sleep(2)
+        if pids:
+            print(self.exec("ps -eo pid,ppid,stat,etime,args | grep -e firecracker -e PID")["out"])
+        return pids
 
     def shutdown(self) -> None:
         """Stop the node (its sandboxes with it: L1 goes away whole), then QEMU."""

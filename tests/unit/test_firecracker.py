@@ -1,6 +1,6 @@
 """Firecracker runtime: every API body checked against Firecracker's published schema; memory
 merging of diff snapshots; the API client over a real Unix socket (the real boot:
-tests/system/test_firecracker_boot.py)."""
+tests/system/test_firecracker_kvmhost.py, in an emulated KVM host)."""
 
 from __future__ import annotations
 

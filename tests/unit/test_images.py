@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import lzma
 import struct
+from pathlib import Path
 
 import lz4.block
 import pytest
@@ -66,3 +67,36 @@ def test_init_script_execs_envd_from_its_drive() -> None:
     assert script.startswith("#!/bin/busybox sh")
     assert "exec /bin/env -i PATH=" in script and " /bin/switch_root /newroot /.forkyard/" in script
     assert "/.forkyard/lib/ld-linux-x86-64.so.2" in script and "-m forkyard.envd" in script
+
+
+def _template(root: Path, marker: str) -> Path:
+    rootfs = root / "rootfs"
+    (rootfs / "etc").mkdir(parents=True, exist_ok=True)
+    (rootfs / "etc" / "hostname").write_text("sandbox\n")
+    (root / ".complete").write_text(marker)
+    return rootfs
+
+
+def test_rootfs_digest_is_remembered_per_template_build(tmp_path: Path) -> None:
+    """The emulated KVM host's node hashed the base rootfs listing over 9p for minutes on every
+    first create: the digest is remembered per build (the .complete marker and the root's
+    mtime), and a new build (new marker) is walked again."""
+    rootfs = _template(tmp_path / "tpl", "2026-12-06 build-1\n")
+    memo = tmp_path / "memo"
+    first = images.rootfs_digest(rootfs, memo)
+    assert first == images.tree_digest(rootfs)
+    (rootfs / "etc" / "motd").write_text("deep in the tree: the same build\n")
+    assert images.rootfs_digest(rootfs, memo) == first  # remembered, not walked
+    (tmp_path / "tpl" / ".complete").write_text("2026-12-06 build-2\n")
+    assert images.rootfs_digest(rootfs, memo) == images.tree_digest(rootfs) != first
+
+
+def test_rootfs_digest_without_a_marker_or_a_writable_memo_is_computed(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    (bare / "etc").mkdir(parents=True)
+    assert images.rootfs_digest(bare, tmp_path / "memo") == images.tree_digest(bare)
+    assert not (tmp_path / "memo").exists()
+    rootfs = _template(tmp_path / "tpl", "m\n")
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    assert images.rootfs_digest(rootfs, blocked / "memo") == images.tree_digest(rootfs)

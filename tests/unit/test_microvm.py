@@ -6,14 +6,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from forkyard.config import FirecrackerSettings, QemuSettings, Settings
 from forkyard.errors import Conflict, Gone, NotFound, Unavailable
 from forkyard.runtime.firecracker.runtime import FirecrackerRuntime
 from forkyard.runtime.kvm import kvm_unusable_reason
+from forkyard.runtime.microvm.host import pid_alive
 from forkyard.runtime.microvm.runtime import (
     SNAPSHOT_META,
     Boot,
@@ -155,3 +160,23 @@ def test_a_failed_state_write_keeps_the_old_file(tmp_path: Path, monkeypatch: py
         atomic.write_json_atomic(target, {"pid": 2})
     assert json.loads(target.read_text()) == {"pid": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_vmm_still_in_nsenter_counts_as_the_vmm() -> None:
+    """``nsenter --net=... -- firecracker ...`` before its exec: the VMM, not a dead one (under
+    load, the wait for its API socket gave up on it and the clean-up left the VMM running)."""
+    script = "import time; time.sleep(30)"
+    argv = ["bash", "-c", 'exec -a nsenter "$0" -c "$1" -- /usr/bin/firecracker --api-sock /s/sbx1/api.sock']
+    proc = subprocess.Popen([*argv, sys.executable, script])
+    try:
+        deadline = time.monotonic() + 10
+        while psutil.Process(proc.pid).cmdline()[:1] != ["nsenter"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert pid_alive(proc.pid, "firecracker", "/s/sbx1")
+        assert not pid_alive(proc.pid, "firecracker", "/s/sbx2")  # another sandbox's
+        assert not pid_alive(proc.pid, "qemu")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not pid_alive(proc.pid, "firecracker")

@@ -134,6 +134,13 @@ def balloon_update(amount_mib: int) -> ApiRequest:
     return ApiRequest("PATCH", "/balloon", {"amount_mib": amount_mib}, "BalloonUpdate")
 
 
+def balloon_statistics() -> ApiRequest:
+    """The balloon's target and actual size (``target_mib``, ``actual_mib``) and the guest's last
+    memory report (``available_memory``, ``free_memory``, ... in bytes; absent until the guest's
+    driver has sent one: stats are polled every ``stats_polling_interval_s``)."""
+    return ApiRequest("GET", "/balloon/statistics", None, None)
+
+
 def instance_start() -> ApiRequest:
     return ApiRequest("PUT", "/actions", {"action_type": "InstanceStart"}, "InstanceActionInfo")
 

@@ -35,16 +35,17 @@ import contextlib
 import logging
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import httpx
 
 from forkyard.config import FirecrackerSettings, Settings
 from forkyard.errors import Failed, Unavailable
 from forkyard.runtime.base import Capability
-from forkyard.runtime.firecracker import api
+from forkyard.runtime.firecracker import api, balloon
 from forkyard.runtime.firecracker.memory import apply_diff_memory, copy_cow
 from forkyard.runtime.firecracker_version import binary_version, binary_version_problem
 from forkyard.runtime.kinds import firecracker_unusable_reason
@@ -376,16 +377,33 @@ class FirecrackerRuntime(MicroVmRuntime[FcPaths, FirecrackerState]):
     # -- snapshots ----------------------------------------------------------------------------
 
     async def freeze(self, instance: SandboxInstance) -> None:
-        """Pause the vCPUs (``PATCH /vm``): memory, devices, tap and address stay."""
-        await self._vm_state(instance, "Paused")
-
-    async def thaw(self, instance: SandboxInstance) -> None:
-        await self._vm_state(instance, "Resumed")
-
-    async def _vm_state(self, instance: SandboxInstance, state: Literal["Paused", "Resumed"]) -> None:
+        """Inflate the balloon over the guest's idle memory (:mod:`.balloon`: the host gets it
+        back while the sandbox is frozen), then pause the vCPUs (``PATCH /vm``): devices, tap and
+        address stay."""
         client = api.FirecrackerClient(self.paths(instance.sandbox_id).api_socket, timeout=SNAPSHOT_TIMEOUT)
         try:
-            await client.send(api.vm_state(state))
+            if self.fc.freeze_balloon_keep_mib > 0:
+                started = time.monotonic()
+                inflation = await balloon.inflate_for_freeze(
+                    client, keep_mib=self.fc.freeze_balloon_keep_mib, within=self.fc.freeze_balloon_seconds
+                )
+                log.info(
+                    "firecracker %s: freeze: %s in %d ms",
+                    instance.sandbox_id,
+                    inflation.summary(),
+                    (time.monotonic() - started) * 1000,
+                )
+            await client.send(api.vm_state("Paused"))
+        finally:
+            await client.close()
+
+    async def thaw(self, instance: SandboxInstance) -> None:
+        """Run the vCPUs again and deflate the balloon a freeze inflated."""
+        client = api.FirecrackerClient(self.paths(instance.sandbox_id).api_socket, timeout=SNAPSHOT_TIMEOUT)
+        try:
+            await client.send(api.vm_state("Resumed"))
+            if self.fc.freeze_balloon_keep_mib > 0:
+                await balloon.deflate(client)
         finally:
             await client.close()
 

@@ -167,26 +167,30 @@ class GuestImageCache:
     the base template), which every cold create would otherwise pay again."""
 
     def __init__(self) -> None:
-        self._by_build: dict[tuple[str, str, int, int], GuestImages] = {}
+        self._by_build: dict[tuple[str, str, int, int, int], GuestImages] = {}
 
     async def get(self, settings: Settings, tmpl: TemplateImage) -> GuestImages:
         key = self._build_key(tmpl)
         cached = self._by_build.get(key) if key else None
         if cached is not None and all(p.exists() for p in (cached.base, cached.envd, cached.kernel.vmlinux)):
             return cached
-        images = await asyncio.to_thread(build_guest_images, settings, tmpl.template_id, tmpl.rootfs)
+        # The upper drive is the sandbox's disk: the template's disk_mb is its size (the quota).
+        images = await asyncio.to_thread(
+            build_guest_images, settings, tmpl.template_id, tmpl.rootfs, tmpl.disk_mb
+        )
         if key:
             self._by_build[key] = images
         return images
 
     @staticmethod
-    def _build_key(tmpl: TemplateImage) -> tuple[str, str, int, int] | None:
-        """Identifies one build of a template: a rebuild renames a new rootfs tree into place."""
+    def _build_key(tmpl: TemplateImage) -> tuple[str, str, int, int, int] | None:
+        """Identifies one build of a template (a rebuild renames a new rootfs tree into place) and
+        its disk size."""
         try:
             st = tmpl.rootfs.stat()
         except OSError:
             return None
-        return tmpl.template_id, str(tmpl.rootfs), st.st_ino, st.st_mtime_ns
+        return tmpl.template_id, str(tmpl.rootfs), st.st_ino, st.st_mtime_ns, tmpl.disk_mb
 
 
 class Phases:
