@@ -206,17 +206,12 @@ def test_auto_pause_without_memory(forkyard_server: ServerProcess) -> None:
     }
 
 
-def test_sudo_for_user(sbx: Sandbox) -> None:
-    """The OCI spec sets ``noNewPrivileges: false``, but runsc (2024-07, the build Debian ships)
-    ignores it and the sentry ignores set-uid bits (gVisor issue #212), so envd and everything it
-    starts has the flag. Where the runtime honours the spec, ``sudo`` works for ``user``."""
+def test_sudo_for_user_although_the_runtime_sets_no_new_privs(sbx: Sandbox) -> None:
+    """runsc (2024-07, the build Debian ships) ignores the OCI spec's ``noNewPrivileges: false``
+    and the sentry ignores set-uid bits (gVisor issue #212), so every task has the flag; sudo
+    still works for ``user`` because envd brokers it (tests/system/test_e2b_conventions.py)."""
     nnp = sbx.commands.run("python3 -c 'import ctypes; print(ctypes.CDLL(None).prctl(39, 0, 0, 0, 0))'")
-    if nnp.stdout.strip() == "1":
-        pytest.skip(
-            "gVisor sets PR_SET_NO_NEW_PRIVS on every task and ignores set-uid bits (runsc says "
-            "'noNewPrivileges ignored. PR_SET_NO_NEW_PRIVS is assumed to always be set'; gVisor "
-            "issue #212): sudo cannot work under this runtime"
-        )
+    assert nnp.stdout.strip() in ("0", "1")
     assert sbx.commands.run("sudo -n id -u", user="user").stdout == "0\n"
 
 
