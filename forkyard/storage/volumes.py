@@ -120,17 +120,16 @@ class VolumeCatalog:
         return await self.db.read(lambda conn: [_row(r) for r in conn.execute(stmt).mappings()])
 
     async def get(self, volume_id: str) -> VolumeRow:
-        stmt = select(volumes).where(volumes.c.volume_id == volume_id)
-        found = await self.db.read(lambda conn: conn.execute(stmt).mappings().first())
-        if found is None:
-            raise NotFound(f"volume {volume_id!r} not found")
-        return _row(found)
+        return await self._one(volumes.c.volume_id, volume_id)
 
     async def by_name(self, name: str) -> VolumeRow:
-        stmt = select(volumes).where(volumes.c.name == name)
+        return await self._one(volumes.c.name, name)
+
+    async def _one(self, column: Any, value: str) -> VolumeRow:
+        stmt = select(volumes).where(column == value)
         found = await self.db.read(lambda conn: conn.execute(stmt).mappings().first())
         if found is None:
-            raise NotFound(f"volume {name!r} not found")
+            raise NotFound(f"volume {value!r} not found")
         return _row(found)
 
     async def delete(self, row: VolumeRow) -> None:
