@@ -50,6 +50,7 @@ from pathlib import Path
 import httpx
 
 from tests.support import REPO, SHARED_TEMPLATES, free_port
+from tests.support.probes import SERVER, ProbeHosts
 
 CACHE = Path(os.environ.get("FORKYARD_KVMHOST_CACHE", "/var/cache/forkyard/kvm-host"))
 #: Bump when the recipe changes in a way the hashed inputs do not show.
@@ -308,39 +309,6 @@ def guest_images_dir(cache: Path = CACHE) -> Path:
 # -- a running host -------------------------------------------------------------------------------
 
 PROBE_PORT = 19007
-PROBE_SERVER = (
-    "import socket,threading\n"
-    "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    'import sys; s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(64)\n'
-    "while True:\n"
-    '    c, _ = s.accept(); c.sendall(b"pong"); c.close()\n'
-)
-#: Run inside a sandbox: connect to every address at once; "OPEN" or "BLOCKED" per address.
-PROBE = """python3 - {port} {addrs} <<'EOF'
-import json, socket, sys, concurrent.futures as cf
-def probe(a):
-    try:
-        with socket.create_connection((a, int(sys.argv[1])), timeout=5.0) as c:
-            return "OPEN" if c.recv(4) == b"pong" else "ODD"
-    except OSError:
-        return "BLOCKED"
-with cf.ThreadPoolExecutor(len(sys.argv) - 2) as ex:
-    print(json.dumps(dict(zip(sys.argv[2:], ex.map(probe, sys.argv[2:])))))
-EOF"""
-
-
-@dataclass
-class ProbeHosts:
-    port: int
-    addrs: dict[str, str]
-
-    def probe_command(self) -> str:
-        return PROBE.format(port=self.port, addrs=" ".join(self.addrs.values()))
-
-    def parse(self, stdout: str) -> dict[str, str]:
-        """name -> OPEN/BLOCKED from :meth:`probe_command`'s output."""
-        result = json.loads(stdout)
-        return {name: result[addr] for name, addr in self.addrs.items()}
 
 
 @dataclass
@@ -602,11 +570,11 @@ class KvmHost:
                 f"ip -n fyprobe addr add {a}/32 dev lo && ip route add {a}/32 via 172.31.7.2"
                 for a in addrs.values()
             ),
-            f"setsid nohup ip netns exec fyprobe {REPO}/.venv/bin/python -c '{PROBE_SERVER}' {PROBE_PORT} "
+            f"setsid nohup ip netns exec fyprobe {REPO}/.venv/bin/python -c '{SERVER}' {PROBE_PORT} "
             "> /dev/null 2>&1 < /dev/null &",
         ]
         self.check(" && ".join(script))
-        return ProbeHosts(PROBE_PORT, addrs)
+        return ProbeHosts(PROBE_PORT, addrs, connect_timeout=5.0)
 
     def firecracker_pids(self) -> list[int]:
         """Running VMMs in L1. Not zombies: a VMM whose node was killed (``restart_server(kill=

@@ -23,7 +23,6 @@ import tempfile
 import textwrap
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,47 +32,10 @@ from e2b.exceptions import NotFoundException, SandboxException
 from e2b.sandbox.network import ALL_TRAFFIC
 
 from tests.support import TESTS
+from tests.support.probes import SERVER, ProbeHosts
 from tests.support.server import ServerProcess, start_server
 
 pytestmark = [pytest.mark.requires_root("sandboxes and test hosts in network namespaces")]
-
-SERVER = """
-import socket, sys, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(64)
-print("ready", flush=True)
-def serve(c):
-    with c:
-        c.sendall(b"pong")
-while True:
-    c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
-"""
-
-#: Run inside a sandbox: connect to every address at once; "OPEN" or "BLOCKED" per address.
-PROBE = """python3 - {port} {addrs} <<'EOF'
-import json, socket, sys, concurrent.futures as cf
-port = int(sys.argv[1])
-def probe(a):
-    try:
-        with socket.create_connection((a, port), timeout=1.0) as c:
-            return "OPEN" if c.recv(4) == b"pong" else "ODD"
-    except OSError:
-        return "BLOCKED"
-with cf.ThreadPoolExecutor(len(sys.argv) - 2) as ex:
-    print(json.dumps(dict(zip(sys.argv[2:], ex.map(probe, sys.argv[2:])))))
-EOF"""
-
-
-@dataclass
-class ProbeHosts:
-    port: int
-    addrs: dict[str, str]
-
-    def probe(self, sandbox: Sandbox) -> dict[str, str]:
-        """name -> OPEN/BLOCKED for every test host, seen from inside ``sandbox``."""
-        cmd = PROBE.format(port=self.port, addrs=" ".join(self.addrs.values()))
-        result = json.loads(sandbox.commands.run(cmd, timeout=30).stdout)
-        return {name: result[addr] for name, addr in self.addrs.items()}
 
 
 def sh(*cmd: str) -> None:
@@ -141,25 +103,25 @@ def test_defaults_deny_private_ranges_and_policy_opens_them_on_a_live_sandbox(
     try:
         # Internet on (the default): public hosts answer, private ones, link-local, CGNAT and the
         # node's own networks do not.
-        assert hosts.probe(sbx) == expect({"public", "public2"}, hosts)
+        assert hosts.probe_in(sbx) == expect({"public", "public2"}, hosts)
         assert sbx.get_info().network in (None, {}) or not sbx.get_info().network.get("allow_out")
 
         # An explicit allow opens a private host (and only it), live.
         a = hosts.addrs
         sbx.update_network({"allow_out": [a["rfc1918"], f"{a['cgnat']}/32", f"{a['nodenet']}/30"]})
-        assert hosts.probe(sbx) == expect({"public", "public2", "rfc1918", "cgnat", "nodenet"}, hosts)
+        assert hosts.probe_in(sbx) == expect({"public", "public2", "rfc1918", "cgnat", "nodenet"}, hosts)
 
         # Deny all with one exception: allow beats deny.
         sbx.update_network({"deny_out": [ALL_TRAFFIC], "allow_out": [a["public"]]})
-        assert hosts.probe(sbx) == expect({"public"}, hosts)
+        assert hosts.probe_in(sbx) == expect({"public"}, hosts)
         info = sbx.get_info().network or {}
         assert info.get("allow_out") == [f"{a['public']}/32"] and info.get("deny_out") == ["0.0.0.0/0"]
 
         # A deny of one public host; then an update that leaves everything out clears it all.
         sbx.update_network({"deny_out": [f"{a['public2']}/31"]})
-        assert hosts.probe(sbx) == expect(set(), hosts)  # 198.18.n.10/31 covers both
+        assert hosts.probe_in(sbx) == expect(set(), hosts)  # 198.18.n.10/31 covers both
         sbx.update_network({})
-        assert hosts.probe(sbx) == expect({"public", "public2"}, hosts)
+        assert hosts.probe_in(sbx) == expect({"public", "public2"}, hosts)
 
         # The policy survives a pause and a resume, and a fork's children inherit it.
         sbx.update_network({"deny_out": [ALL_TRAFFIC], "allow_out": [a["rfc1918"]]})
@@ -167,11 +129,11 @@ def test_defaults_deny_private_ranges_and_policy_opens_them_on_a_live_sandbox(
         with pytest.raises(SandboxException):  # a paused sandbox's network cannot change (409)
             Sandbox.update_network(sbx.sandbox_id, {"allow_out": []})
         sbx = Sandbox.connect(sbx.sandbox_id, timeout=120)
-        assert hosts.probe(sbx) == expect({"rfc1918"}, hosts)
+        assert hosts.probe_in(sbx) == expect({"rfc1918"}, hosts)
         (child,) = sbx.fork(count=1, timeout=60)
         assert isinstance(child, Sandbox), child
         try:
-            assert hosts.probe(child) == expect({"rfc1918"}, hosts)
+            assert hosts.probe_in(child) == expect({"rfc1918"}, hosts)
             assert (child.get_info().network or {}).get("allow_out") == [f"{a['rfc1918']}/32"]
         finally:
             child.kill()
@@ -188,12 +150,12 @@ def test_create_with_a_policy_and_without_internet(forkyard_server: ServerProces
         "base", timeout=120, allow_internet_access=False, network={"allow_out": [a["linklocal"]]}
     )
     try:
-        assert hosts.probe(only) == expect({"public2", "private"}, hosts)
+        assert hosts.probe_in(only) == expect({"public2", "private"}, hosts)
         # allow_internet_access=False is deny_out=[0.0.0.0/0]: allow_out still opens exceptions.
-        assert hosts.probe(offline) == expect({"linklocal"}, hosts)
+        assert hosts.probe_in(offline) == expect({"linklocal"}, hosts)
         # An update that turns internet access on again (and clears the exception).
         offline.update_network({"allow_internet_access": True})
-        assert hosts.probe(offline) == expect({"public", "public2"}, hosts)
+        assert hosts.probe_in(offline) == expect({"public", "public2"}, hosts)
     finally:
         only.kill()
         offline.kill()
@@ -290,9 +252,9 @@ def test_policy_survives_a_server_restart(hosts: ProbeHosts) -> None:
         server = start_server(data_dir, port=server.port, api_key=server.api_key)
         again = Sandbox.connect(sbx.sandbox_id, **opts)
         assert (again.get_info().network or {}).get("allow_out") == [f"{a['cgnat']}/32"]
-        assert hosts.probe(again) == expect({"public", "public2", "cgnat"}, hosts)
+        assert hosts.probe_in(again) == expect({"public", "public2", "cgnat"}, hosts)
         again.update_network({"allow_out": [a["rfc1918b"]]})
-        assert hosts.probe(again) == expect({"public", "public2", "rfc1918b"}, hosts)
+        assert hosts.probe_in(again) == expect({"public", "public2", "rfc1918b"}, hosts)
         again.kill()
     finally:
         server.kill_all_sandboxes()
