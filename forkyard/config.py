@@ -232,6 +232,10 @@ class Settings(BaseSettings):
     #: past it answers 429 like E2B's concurrency limit. 0: no count limit (the heartbeat's
     #: ``slots_free`` is then the available memory in 512 MiB slots alone).
     max_sandboxes: int = 0
+    #: Free space (MiB) the data dir must keep for a create or fork child to be admitted; below it
+    #: the create answers 507 like E2B's full disk, before anything is written (a sandbox started
+    #: on the last free pages would fail at its first write, and so would its snapshot). 0: no check.
+    disk_reserve_mb: int = 64
     #: The role this process serves in (set by the command, not by users): ``single`` (``serve``),
     #: ``node`` (``node serve``) or ``gateway``.
     role: Literal["single", "node", "gateway"] = "single"

@@ -64,6 +64,7 @@ from forkyard.gateway.placement import Need, NodeInfo, Placed
 from forkyard.gateway.status import cluster_metrics, cluster_status
 from forkyard.orchestrator.ids import normalise_sandbox_id
 from forkyard.orchestrator.store import ListQuery, SandboxStore
+from forkyard.storage.db.outage import UNAVAILABLE_MESSAGE
 from forkyard.types import ENVD_PORT, SandboxState
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class Gateway:
         self._db: NodeDirectory | None = None
         self._nodes: list[NodeInfo] = []
         self._nodes_read = 0.0
+        #: Whether ``_nodes`` is the list read before the database went out of reach.
+        self._nodes_stale = False
         self._owners: dict[str, str] = {}
         self._placed: dict[str, Placed] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -150,8 +153,9 @@ class Gateway:
                     raise
                 # The registry restarting moves no node: sandbox traffic goes on to the last known.
                 log.warning("gateway: the registry is out of reach; using the node list read before")
+                self._nodes_stale = True
                 return self._nodes
-            self._nodes_read = time.monotonic()
+            self._nodes_read, self._nodes_stale = time.monotonic(), False
             placement.forget_seen(self._placed, self._nodes, placement.DEFAULT_MEMORY_MIB)
         return self._nodes
 
@@ -433,15 +437,17 @@ class Gateway:
             cached_on=await self.db.holders(reference) if isinstance(reference, str) else frozenset(),
         )
         now = time.time()
-        ranked = placement.candidates(
-            await self.nodes(refresh=True), need, now, self.fresh_within, self._placed
-        )
+        nodes = await self.nodes(refresh=True)
+        ranked = placement.candidates(nodes, need, now, self.fresh_within, self._placed)
         if pinned is not None:
-            ranked = [n for n in ranked if n.node_id == pinned]
+            # The volume's node is the only place: the node decides (429 when full), not this
+            # gateway's estimate, which counts its creates since the heartbeat but not its kills.
+            ranked = [n for n in nodes if n.node_id == pinned and placement.fresh(n, now, self.fresh_within)]
             if not ranked:
-                return error_response(
-                    503, f"node {pinned}, which holds the mounted volumes, has no room or is down"
-                )
+                return error_response(503, f"node {pinned}, which holds the mounted volumes, is down")
+        if not ranked and self._nodes_stale:
+            # The estimate is from before the outage; the node could not record a sandbox anyway.
+            return error_response(503, UNAVAILABLE_MESSAGE)
         if not ranked:
             return error_response(503, "no node has room for a sandbox now (or none is up)")
         last: Reply | None = None

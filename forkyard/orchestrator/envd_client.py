@@ -68,7 +68,7 @@ class EnvdClient:
             if resp.status_code >= 300:
                 raise Unavailable(f"envd /init answered {resp.status_code}: {resp.text[:300]}")
             return
-        raise Unavailable(f"envd /init unreachable at {url}: {last}")
+        raise Unavailable(f"envd /init unreachable at {url}: {last!r}")
 
     async def fsfreeze(self, instance: SandboxInstance, access_token: str | None) -> None:
         """``POST /fsfreeze``: the root flushed to disk before a filesystem-only pause kills the

@@ -32,6 +32,7 @@ import enum
 import errno
 import logging
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -661,6 +662,7 @@ class Orchestrator:
         """Insert the new sandbox's row unless the node holds ``max_sandboxes`` already (429, as
         E2B's concurrency limit: the gateway places the sandbox elsewhere). Resumes are not
         counted here: a paused sandbox keeps its place."""
+        await self._check_disk_reserve(runtime, source)
         cap = self.settings.max_sandboxes
         if cap <= 0:
             await self._insert(rec)
@@ -675,6 +677,23 @@ class Orchestrator:
                     f"this node runs its maximum of {cap} concurrent sandboxes (FORKYARD_MAX_SANDBOXES)"
                 )
             await self._insert(rec)
+
+    async def _check_disk_reserve(self, runtime: Runtime, source: Source) -> None:
+        """507 when the data dir has less than ``disk_reserve_mb`` free (a full disk is E2B's
+        507); a pooled sandbox handed to this check is killed, as nothing else would stop it."""
+        reserve = self.settings.disk_reserve_mb << 20
+        if reserve <= 0:
+            return
+        free = shutil.disk_usage(self.settings.data_dir).free
+        if free >= reserve:
+            return
+        if isinstance(source, Claim):
+            with contextlib.suppress(Exception):
+                await runtime.kill(source.instance)
+        raise InsufficientStorage(
+            f"the node's disk is full: {free >> 20} MiB free in its data dir, under the reserve of "
+            f"{reserve >> 20} MiB a new sandbox needs (FORKYARD_DISK_RESERVE_MB)"
+        )
 
     async def _insert(self, rec: SandboxRecord) -> None:
         try:

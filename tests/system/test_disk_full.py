@@ -11,6 +11,7 @@ import contextlib
 import errno
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,14 +77,27 @@ def _snapshot_dirs(data_dir: Path) -> list[str]:
     return sorted(p.name for p in where.iterdir()) if where.is_dir() else []
 
 
+def _settled_snapshot_dirs(data_dir: Path, timeout: float = 120.0) -> list[str]:
+    """The snapshot directories once none is being written: the node's first create starts the
+    template's snapshot in the background, and a fill racing it would fail that one (and free its
+    space again when it is cleaned up) instead of the operations under test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        names = _snapshot_dirs(data_dir)
+        if not any(name.startswith(".tmp-") for name in names):
+            return names
+        assert time.monotonic() < deadline, f"a snapshot still being written after {timeout} s: {names}"
+        time.sleep(0.2)
+
+
 def test_a_full_disk_refuses_snapshots_and_creates_with_507_and_harms_no_running_sandbox(
     server: ServerProcess, full_dir: Path
 ) -> None:
     sbx = Sandbox.create(timeout=300, **server.sdk_opts)
     try:
         sbx.files.write(TOKEN_FILE, "before the disk filled")
+        dirs_before = _settled_snapshot_dirs(full_dir)
         listed_before = _snapshot_ids(server)
-        dirs_before = _snapshot_dirs(full_dir)
         assert _fill(full_dir) > 0
         try:
             with pytest.raises(SandboxException) as refused:

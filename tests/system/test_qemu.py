@@ -246,9 +246,9 @@ def test_snapshot_restore_preserves_memory_and_disk(qemu_settings: Settings, bas
             assert _host_leftovers(qemu_settings, original_id) == {}
             assert await runtime.spares.wait_ready(Shape(*_shape(runtime, original)), 1, 60)
             restored = await runtime.restore(SandboxSpec(sandbox_id=restored_id, template=base), snap)
-            assert restored.state.get("vm_owner")  # it was a spare
+            assert QemuState.of(restored).vm_owner  # it was a spare
             sibling = await no_spares.restore(SandboxSpec(sandbox_id=sibling_id, template=base), snap)
-            assert "vm_owner" not in sibling.state
+            assert QemuState.of(sibling).vm_owner is None
             for instance in (restored, sibling):
                 rsbx = _envd_sdk(instance)
                 after = rsbx.commands.run(

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from forkyard.config import Settings
-from forkyard.errors import Conflict, Failed, Invalid, NotFound
+from forkyard.errors import Conflict, Failed, InsufficientStorage, Invalid, NotFound
 from forkyard.orchestrator.envd_client import WARM_UP_COMMAND
 from forkyard.orchestrator.lifecycle import (
     EDGES,
@@ -133,6 +133,17 @@ async def test_create_kill_and_the_states_recorded(
     assert stored is not None and stored.state == SandboxState.KILLED
     assert orch.route(rec.sandbox_id) is None and rec.sandbox_id in runtime.killed
     with pytest.raises(NotFound):
+        await orch.kill(rec.sandbox_id)
+
+
+async def test_a_create_under_the_disk_reserve_is_507_before_anything_is_made(tmp_path: Path) -> None:
+    # More than any disk holds: the data dir is always under it.
+    async with loopback_node(tmp_path, disk_reserve_mb=1 << 40) as (orch, runtime):
+        with pytest.raises(InsufficientStorage, match=r"disk is full.*FORKYARD_DISK_RESERVE_MB"):
+            await orch.create(request())
+        assert runtime.servers == {} and await orch.store.in_states(set(SandboxState)) == []
+    async with loopback_node(tmp_path / "room", disk_reserve_mb=1) as (orch, _):
+        rec = await orch.create(request())  # the positive control: the same create with room
         await orch.kill(rec.sandbox_id)
 
 
