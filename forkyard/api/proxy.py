@@ -8,8 +8,8 @@ bodies streamed chunk by chunk (uploads, downloads, Connect server and client st
 WebSockets relayed frame by frame, by the relay the gateway uses too (:mod:`forkyard.api.relay`).
 
 Errors the proxy itself answers are what E2B's edge proxy answers, because the SDKs key on the
-messages: 502 ``... was not found`` (sandbox killed, timed out or unknown) and 502
-``... port is not open`` (sandbox running, nothing listening).
+messages: 502 ``The sandbox was not found`` (sandbox killed, timed out or unknown) and 502
+``The sandbox is running but port is not open`` (sandbox running, nothing listening; with ``port``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from websockets.asyncio.client import ClientConnection
 
 from forkyard.api.relay import (
     ENVD_INTERNAL_PATHS,
+    PORT_NOT_OPEN,
+    SANDBOX_NOT_FOUND,
     TRAFFIC_TOKEN_HEADER,
     WEBSOCKET_FAILURES,
     ClientGone,
@@ -44,8 +46,6 @@ from forkyard.api.relay import (
     forward_headers,
     header,
     is_ascii_number,
-    not_found_message,
-    port_closed_message,
     relay_websocket,
     response_headers,
     send_error,
@@ -198,10 +198,10 @@ class SandboxProxy:
         if target.port < 1 or target.port > 65535:
             return None, (400, f"invalid sandbox port {target.port}")
         if not SANDBOX_ID_LOOSE_RE.fullmatch(target.sandbox_id):
-            return None, (502, not_found_message(target.sandbox_id))
+            return None, (502, SANDBOX_NOT_FOUND)
         route = self._orchestrator().route(target.sandbox_id)
         if route is None:
-            return None, (502, not_found_message(target.sandbox_id))
+            return None, (502, SANDBOX_NOT_FOUND)
         if target.port == ENVD_PORT and scope.get("path", "") in ENVD_INTERNAL_PATHS:
             return None, (403, f"{scope['path']} is internal to the orchestrator")
         if route.traffic_access_token and target.port != ENVD_PORT:
@@ -220,11 +220,9 @@ class SandboxProxy:
     def _url(self, scope: Scope, route: Route, port: int, scheme: str = "http") -> str:
         return f"{scheme}://{route.address}:{port}{self._target(scope)}"
 
-    def _unreachable(self, target: Target) -> tuple[int, str]:
-        """What to answer when connecting to the sandbox failed: gone, or port closed."""
-        if self._orchestrator().route(target.sandbox_id) is None:
-            return 502, not_found_message(target.sandbox_id)
-        return 502, port_closed_message(target.sandbox_id, target.port)
+    def _gone(self, target: Target) -> bool:
+        """Connecting to the sandbox failed: is it gone (else its port is closed)?"""
+        return self._orchestrator().route(target.sandbox_id) is None
 
     # -- HTTP ----------------------------------------------------------------------------------
 
@@ -243,7 +241,7 @@ class SandboxProxy:
         limit = self.settings.max_upload_bytes
         down = Downstream(receive, limit)
         if refusal or route is None:
-            code, message = refusal or (502, not_found_message(target.sandbox_id))
+            code, message = refusal or (502, SANDBOX_NOT_FOUND)
             await down.drain()
             await send_error(send, code, message, target.sandbox_id)
             return
@@ -275,8 +273,10 @@ class SandboxProxy:
         except (UpstreamError, OSError) as exc:
             cancel(watcher)
             log.debug("proxy to %s:%s failed: %s", target.sandbox_id, target.port, exc)
-            code, message = self._unreachable(target)
-            await send_error(send, code, message, target.sandbox_id)
+            if self._gone(target):
+                await send_error(send, 502, SANDBOX_NOT_FOUND, target.sandbox_id)
+            else:
+                await send_error(send, 502, PORT_NOT_OPEN, target.sandbox_id, port=target.port)
             return
         if response is None:  # the client went away while we waited for the sandbox
             return
@@ -387,7 +387,11 @@ class SandboxProxy:
         except WEBSOCKET_FAILURES as exc:
             log.debug("websocket to %s:%s failed: %s", target.sandbox_id, target.port, exc)
             await send(
-                {"type": "websocket.close", "code": 1011, "reason": self._unreachable(target)[1][:120]}
+                {
+                    "type": "websocket.close",
+                    "code": 1011,
+                    "reason": SANDBOX_NOT_FOUND if self._gone(target) else PORT_NOT_OPEN,
+                }
             )
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
