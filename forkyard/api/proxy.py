@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -61,45 +60,6 @@ log = logging.getLogger(__name__)
 
 class _CutResponse(Exception):
     """The response must end without its final chunk (the server closes the connection)."""
-
-
-class _ConnectFrames:
-    """Where a Connect streaming response's envelopes (5-byte head: flags, big-endian length)
-    begin, so that an end-stream message can be added between two of them."""
-
-    def __init__(self, content_type: str) -> None:
-        self.streaming = content_type.lower().startswith("application/connect+")
-        self._head = b""
-        self._left = 0  # bytes of the current envelope's message still to come
-
-    def feed(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while view:
-            if self._left:
-                step = min(self._left, len(view))
-                self._left -= step
-                view = view[step:]
-                continue
-            need = 5 - len(self._head)
-            self._head += bytes(view[:need])
-            view = view[need:]
-            if len(self._head) == 5:
-                self._left = int.from_bytes(self._head[1:], "big")
-                self._head = b""
-
-    def at_boundary(self) -> bool:
-        return not self._head and not self._left
-
-
-def connect_end_stream(code: str, message: str) -> bytes:
-    """A Connect end-stream envelope (flags 0x02, always JSON) carrying an error."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return b"\x02" + len(body).to_bytes(4, "big") + body
-
-
-def stream_cut_message(sandbox_id: str) -> str:
-    """E2B's words when the sandbox goes away mid-stream (the SDKs then probe its health)."""
-    return f"the connection to sandbox {sandbox_id} ended before the stream completed"
 
 
 def upstream_host(route: Route, port: int) -> str:
@@ -319,9 +279,6 @@ class SandboxProxy:
         watcher: asyncio.Future[None] | None,
         sandbox_id: str,
     ) -> None:
-        content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
-        frames = _ConnectFrames(content_type)
-
         async def pump() -> None:
             await send(
                 {
@@ -331,8 +288,6 @@ class SandboxProxy:
                 }
             )
             async for chunk in response.aiter_raw():
-                if frames.streaming:
-                    frames.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -346,25 +301,18 @@ class SandboxProxy:
                 if exc is not None and not isinstance(exc, (UpstreamError, OSError)):
                     raise exc
                 if exc is not None:
+                    # The sandbox went away mid-response (killed, timed out): the body is cut
+                    # off, no final chunk, as E2B's proxy (Go's ReverseProxy aborts the
+                    # handler). The SDKs see the transport fail, probe the sandbox's health and
+                    # report it killed; a cleanly ended body would look complete ("Command
+                    # ended without an end event"), and an `unavailable` end-stream is worded
+                    # by the JS SDK and Python before 2.6x as a timeout.
                     log.debug("upstream ended mid-response: %s", exc)
-                    await self._end_cut_response(send, frames, sandbox_id)
+                    raise _CutResponse(f"the sandbox {sandbox_id} went away mid-response")
         finally:
             cancel(pumping)
             cancel(watcher)
             await response.aclose()
-
-    async def _end_cut_response(self, send: Send, frames: _ConnectFrames, sandbox_id: str) -> None:
-        """The sandbox went away mid-response. A Connect stream (a command's output, a watch)
-        ends with E2B's ``unavailable`` error, which the SDKs turn into their sandbox-gone
-        errors; a stream cut inside an envelope, or any other body, is cut off (no final chunk),
-        a transport failure the SDKs probe the sandbox's health after. A cleanly ended body
-        would look complete ("Command ended without an end event")."""
-        if frames.streaming and frames.at_boundary():
-            end = connect_end_stream("unavailable", stream_cut_message(sandbox_id))
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": end, "more_body": False})
-            return
-        raise _CutResponse(f"the sandbox {sandbox_id} went away mid-response")
 
     # -- WebSocket -----------------------------------------------------------------------------
 
