@@ -8,15 +8,14 @@ bodies streamed chunk by chunk (uploads, downloads, Connect server and client st
 WebSockets relayed frame by frame, by the relay the gateway uses too (:mod:`forkyard.api.relay`).
 
 Errors the proxy itself answers are what E2B's edge proxy answers, because the SDKs key on the
-messages: 502 ``... was not found`` (sandbox killed, timed out or unknown) and 502
-``... port is not open`` (sandbox running, nothing listening).
+messages: 502 ``The sandbox was not found`` (sandbox killed, timed out or unknown) and 502
+``The sandbox is running but port is not open`` (sandbox running, nothing listening; with ``port``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -27,6 +26,8 @@ from websockets.asyncio.client import ClientConnection
 
 from forkyard.api.relay import (
     ENVD_INTERNAL_PATHS,
+    PORT_NOT_OPEN,
+    SANDBOX_NOT_FOUND,
     TRAFFIC_TOKEN_HEADER,
     WEBSOCKET_FAILURES,
     ClientGone,
@@ -44,8 +45,6 @@ from forkyard.api.relay import (
     forward_headers,
     header,
     is_ascii_number,
-    not_found_message,
-    port_closed_message,
     relay_websocket,
     response_headers,
     send_error,
@@ -61,45 +60,6 @@ log = logging.getLogger(__name__)
 
 class _CutResponse(Exception):
     """The response must end without its final chunk (the server closes the connection)."""
-
-
-class _ConnectFrames:
-    """Where a Connect streaming response's envelopes (5-byte head: flags, big-endian length)
-    begin, so that an end-stream message can be added between two of them."""
-
-    def __init__(self, content_type: str) -> None:
-        self.streaming = content_type.lower().startswith("application/connect+")
-        self._head = b""
-        self._left = 0  # bytes of the current envelope's message still to come
-
-    def feed(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while view:
-            if self._left:
-                step = min(self._left, len(view))
-                self._left -= step
-                view = view[step:]
-                continue
-            need = 5 - len(self._head)
-            self._head += bytes(view[:need])
-            view = view[need:]
-            if len(self._head) == 5:
-                self._left = int.from_bytes(self._head[1:], "big")
-                self._head = b""
-
-    def at_boundary(self) -> bool:
-        return not self._head and not self._left
-
-
-def connect_end_stream(code: str, message: str) -> bytes:
-    """A Connect end-stream envelope (flags 0x02, always JSON) carrying an error."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return b"\x02" + len(body).to_bytes(4, "big") + body
-
-
-def stream_cut_message(sandbox_id: str) -> str:
-    """E2B's words when the sandbox goes away mid-stream (the SDKs then probe its health)."""
-    return f"the connection to sandbox {sandbox_id} ended before the stream completed"
 
 
 def upstream_host(route: Route, port: int) -> str:
@@ -198,10 +158,10 @@ class SandboxProxy:
         if target.port < 1 or target.port > 65535:
             return None, (400, f"invalid sandbox port {target.port}")
         if not SANDBOX_ID_LOOSE_RE.fullmatch(target.sandbox_id):
-            return None, (502, not_found_message(target.sandbox_id))
+            return None, (502, SANDBOX_NOT_FOUND)
         route = self._orchestrator().route(target.sandbox_id)
         if route is None:
-            return None, (502, not_found_message(target.sandbox_id))
+            return None, (502, SANDBOX_NOT_FOUND)
         if target.port == ENVD_PORT and scope.get("path", "") in ENVD_INTERNAL_PATHS:
             return None, (403, f"{scope['path']} is internal to the orchestrator")
         if route.traffic_access_token and target.port != ENVD_PORT:
@@ -220,11 +180,9 @@ class SandboxProxy:
     def _url(self, scope: Scope, route: Route, port: int, scheme: str = "http") -> str:
         return f"{scheme}://{route.address}:{port}{self._target(scope)}"
 
-    def _unreachable(self, target: Target) -> tuple[int, str]:
-        """What to answer when connecting to the sandbox failed: gone, or port closed."""
-        if self._orchestrator().route(target.sandbox_id) is None:
-            return 502, not_found_message(target.sandbox_id)
-        return 502, port_closed_message(target.sandbox_id, target.port)
+    def _gone(self, target: Target) -> bool:
+        """Connecting to the sandbox failed: is it gone (else its port is closed)?"""
+        return self._orchestrator().route(target.sandbox_id) is None
 
     # -- HTTP ----------------------------------------------------------------------------------
 
@@ -243,7 +201,7 @@ class SandboxProxy:
         limit = self.settings.max_upload_bytes
         down = Downstream(receive, limit)
         if refusal or route is None:
-            code, message = refusal or (502, not_found_message(target.sandbox_id))
+            code, message = refusal or (502, SANDBOX_NOT_FOUND)
             await down.drain()
             await send_error(send, code, message, target.sandbox_id)
             return
@@ -275,8 +233,10 @@ class SandboxProxy:
         except (UpstreamError, OSError) as exc:
             cancel(watcher)
             log.debug("proxy to %s:%s failed: %s", target.sandbox_id, target.port, exc)
-            code, message = self._unreachable(target)
-            await send_error(send, code, message, target.sandbox_id)
+            if self._gone(target):
+                await send_error(send, 502, SANDBOX_NOT_FOUND, target.sandbox_id)
+            else:
+                await send_error(send, 502, PORT_NOT_OPEN, target.sandbox_id, port=target.port)
             return
         if response is None:  # the client went away while we waited for the sandbox
             return
@@ -319,9 +279,6 @@ class SandboxProxy:
         watcher: asyncio.Future[None] | None,
         sandbox_id: str,
     ) -> None:
-        content_type = dict(response.headers).get(b"content-type", b"").decode("latin-1")
-        frames = _ConnectFrames(content_type)
-
         async def pump() -> None:
             await send(
                 {
@@ -331,8 +288,6 @@ class SandboxProxy:
                 }
             )
             async for chunk in response.aiter_raw():
-                if frames.streaming:
-                    frames.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -346,25 +301,18 @@ class SandboxProxy:
                 if exc is not None and not isinstance(exc, (UpstreamError, OSError)):
                     raise exc
                 if exc is not None:
+                    # The sandbox went away mid-response (killed, timed out): the body is cut
+                    # off, no final chunk, as E2B's proxy (Go's ReverseProxy aborts the
+                    # handler). The SDKs see the transport fail, probe the sandbox's health and
+                    # report it killed; a cleanly ended body would look complete ("Command
+                    # ended without an end event"), and an `unavailable` end-stream is worded
+                    # by the JS SDK and Python before 2.6x as a timeout.
                     log.debug("upstream ended mid-response: %s", exc)
-                    await self._end_cut_response(send, frames, sandbox_id)
+                    raise _CutResponse(f"the sandbox {sandbox_id} went away mid-response")
         finally:
             cancel(pumping)
             cancel(watcher)
             await response.aclose()
-
-    async def _end_cut_response(self, send: Send, frames: _ConnectFrames, sandbox_id: str) -> None:
-        """The sandbox went away mid-response. A Connect stream (a command's output, a watch)
-        ends with E2B's ``unavailable`` error, which the SDKs turn into their sandbox-gone
-        errors; a stream cut inside an envelope, or any other body, is cut off (no final chunk),
-        a transport failure the SDKs probe the sandbox's health after. A cleanly ended body
-        would look complete ("Command ended without an end event")."""
-        if frames.streaming and frames.at_boundary():
-            end = connect_end_stream("unavailable", stream_cut_message(sandbox_id))
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": end, "more_body": False})
-            return
-        raise _CutResponse(f"the sandbox {sandbox_id} went away mid-response")
 
     # -- WebSocket -----------------------------------------------------------------------------
 
@@ -387,7 +335,11 @@ class SandboxProxy:
         except WEBSOCKET_FAILURES as exc:
             log.debug("websocket to %s:%s failed: %s", target.sandbox_id, target.port, exc)
             await send(
-                {"type": "websocket.close", "code": 1011, "reason": self._unreachable(target)[1][:120]}
+                {
+                    "type": "websocket.close",
+                    "code": 1011,
+                    "reason": SANDBOX_NOT_FOUND if self._gone(target) else PORT_NOT_OPEN,
+                }
             )
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})

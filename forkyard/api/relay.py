@@ -106,13 +106,11 @@ def find_target(scope: Scope, domain: str | tuple[str, ...]) -> Target | None:
     return None
 
 
-def not_found_message(sandbox_id: str) -> str:
-    # The SDKs recognise a gone sandbox by "was not found" (e2b.exceptions.SANDBOX_NOT_FOUND_MESSAGE).
-    return f"The sandbox {sandbox_id} was not found"
-
-
-def port_closed_message(sandbox_id: str, port: int) -> str:
-    return f"The sandbox {sandbox_id} is running but port is not open (port {port})"
+#: E2B's proxy's words (infra: packages/shared/pkg/proxy/template), the sandbox in ``sandboxId``
+#: beside them. The SDKs recognise a gone sandbox by "was not found" and a closed port by "port is
+#: not open" (e2b.exceptions); E2B's JS suite compares the whole message.
+SANDBOX_NOT_FOUND = "The sandbox was not found"
+PORT_NOT_OPEN = "The sandbox is running but port is not open"
 
 
 def connection_tokens(scope: Scope) -> set[str]:
@@ -152,10 +150,14 @@ def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]
     return [(k.lower(), v) for k, v in raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
 
 
-async def send_error(send: Send, code: int, message: str, sandbox_id: str | None = None) -> None:
+async def send_error(
+    send: Send, code: int, message: str, sandbox_id: str | None = None, port: int | None = None
+) -> None:
     body: dict[str, Any] = {"code": code, "message": message}
     if sandbox_id:
         body["sandboxId"] = sandbox_id
+    if port is not None:
+        body["port"] = port
     data = json.dumps(body).encode()
     await send(
         {

@@ -53,7 +53,7 @@ from forkyard.api.e2b_wire import (
 )
 from forkyard.api.errors import error_response
 from forkyard.api.limits import BodyLimit
-from forkyard.api.relay import SignedFilesUrl, Target, find_target, not_found_message, send_error
+from forkyard.api.relay import SANDBOX_NOT_FOUND, SignedFilesUrl, Target, find_target, send_error
 from forkyard.config import Settings
 from forkyard.errors import ForkyardError, Invalid, Unavailable, http_status
 from forkyard.gateway import placement
@@ -241,7 +241,7 @@ class Gateway:
             await _refuse(scope, receive, send, http_status(exc), exc.message, target)
             return True
         if node is None:
-            await _refuse(scope, receive, send, 502, not_found_message(target.sandbox_id), target)
+            await _refuse(scope, receive, send, 502, SANDBOX_NOT_FOUND, target)
             return True
         if scope["type"] == "websocket":
             await self.relay.websocket(scope, receive, send, target, node)

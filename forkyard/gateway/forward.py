@@ -26,6 +26,7 @@ from forkyard.api import nodeauth
 from forkyard.api.limits import STREAMED_PATHS
 from forkyard.api.relay import (
     HOP_BY_HOP,
+    SANDBOX_NOT_FOUND,
     WEBSOCKET_FAILURES,
     ClientGone,
     Connection,
@@ -38,7 +39,6 @@ from forkyard.api.relay import (
     connection_tokens,
     exchange,
     is_ascii_number,
-    not_found_message,
     relay_websocket,
     response_headers,
     send_error,
@@ -173,7 +173,7 @@ class EnvdRelay:
             return 499
         except (UpstreamError, OSError) as exc:
             log.info("relay to %s on %s failed: %s", target.sandbox_id, node.node_id, exc)
-            await send_error(send, 502, not_found_message(target.sandbox_id), target.sandbox_id)
+            await send_error(send, 502, SANDBOX_NOT_FOUND, target.sandbox_id)
             return 0
         await self._stream_back(conn, head, host, port, target.sandbox_id, send, down)
         return head.status_code
@@ -253,9 +253,7 @@ class EnvdRelay:
             )
         except WEBSOCKET_FAILURES as exc:
             log.info("websocket relay to %s on %s failed: %s", target.sandbox_id, node.node_id, exc)
-            await send(
-                {"type": "websocket.close", "code": 1011, "reason": not_found_message(target.sandbox_id)}
-            )
+            await send({"type": "websocket.close", "code": 1011, "reason": SANDBOX_NOT_FOUND})
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
         await relay_websocket(receive, send, upstream)

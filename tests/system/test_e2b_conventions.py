@@ -206,7 +206,10 @@ const timeout = error instanceof TimeoutError
 console.log(JSON.stringify({ name: error?.name, timeout, message: String(error?.message) }))
 """
     out = _node(script, forkyard_server.sdk_env)
+    # The stream is cut as E2B's proxy cuts it: the SDK probes the sandbox's health and words it
+    # (E2B's JS suite, sandboxKilledDuringRun.test.ts, asserts these words).
     assert out["timeout"] is True, out
+    assert "sandbox was killed or reached its end of life" in str(out["message"]), out
 
 
 # -- a template's WORKDIR ------------------------------------------------------------------------

@@ -138,9 +138,23 @@ def test_get_host_is_served_over_tls_with_the_nodes_ca(
         # Without the node's CA the certificate is not trusted: this is real TLS.
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             get_as(f"https://127.0.0.1:{tls_port}/hello.txt", host)
-        # A name that is no sandbox gets E2B's answer, in E2B's shape.
+        # A name that is no sandbox, or a port nothing listens on, gets E2B's proxy's answer,
+        # word for word (E2B's JS suite, host.test.ts, compares the whole body).
         gone = fetch(f"https://8080-inothere00000000000.{DOMAIN}:{tls_port}/", dns_port, bundle)
-        assert gone.status_code == 502 and "was not found" in gone.json()["message"]
+        assert gone.status_code == 502
+        assert gone.json() == {
+            "code": 502,
+            "message": "The sandbox was not found",
+            "sandboxId": "inothere00000000000",
+        }
+        closed = fetch(f"https://8081-{sbx.sandbox_id}.{DOMAIN}:{tls_port}/", dns_port, bundle)
+        assert closed.status_code == 502
+        assert closed.json() == {
+            "code": 502,
+            "message": "The sandbox is running but port is not open",
+            "sandboxId": sbx.sandbox_id,
+            "port": 8081,
+        }
 
         # Signed file URLs made by an SDK that routes by name (no E2B_SANDBOX_URL) carry the
         # sandbox in their host, and work through the HTTPS listener.

@@ -155,7 +155,8 @@ async def test_unknown_sandbox_everywhere(node: Node) -> None:
     assert_e2b_error(await node.client.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 5}), 404)
     # ... and through the proxy: the message the SDKs map to SandboxNotRunningException.
     resp = await node.client.get("/health", headers=node.sandbox_headers(sid))
-    assert "was not found" in assert_e2b_error(resp, 502)
+    assert assert_e2b_error(resp, 502) == "The sandbox was not found"  # E2B's proxy's words
+    assert resp.json()["sandboxId"] == sid
 
 
 # -- lifecycle ---------------------------------------------------------------------------------
@@ -431,7 +432,8 @@ async def test_proxy_routes_by_header_and_host(node: Node) -> None:
         host = f"8080-{sid}.localhost:{node.settings.port}"
         # Port 8080 of the dummy sandbox is closed: the SDK's "port is not open" answer.
         resp = await anon.get("/", headers={"Host": host})
-        assert "port is not open" in assert_e2b_error(resp, 502)
+        assert assert_e2b_error(resp, 502) == "The sandbox is running but port is not open"
+        assert resp.json()["sandboxId"] == sid and resp.json()["port"] == 8080
         resp = await anon.get("/hello", headers={"Host": f"{ENVD_PORT}-{sid}.localhost"})
         assert resp.json()["path"] == "/hello"
     # envd's internal operations are not reachable from outside.

@@ -3,11 +3,8 @@ a cut Connect stream, the names error messages show, envd's default file mode.""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from forkyard.api.proxy import _ConnectFrames, connect_end_stream, stream_cut_message
 from forkyard.envd.filesystem.tempnames import temp_upload_name
 from forkyard.envd.http.files import _shown_path
 from forkyard.envd.process import sudo_args
@@ -59,35 +56,6 @@ def test_sudo_environment() -> None:
         "-c",
         "echo 'a b'",
     ]
-
-
-def _envelope(payload: bytes, flags: int = 0) -> bytes:
-    return bytes([flags]) + len(payload).to_bytes(4, "big") + payload
-
-
-def test_connect_frames_find_envelope_boundaries_across_chunks() -> None:
-    frames = _ConnectFrames("application/connect+proto")
-    assert frames.streaming and frames.at_boundary()
-    data = _envelope(b"x" * 10) + _envelope(b"y" * 3)
-    frames.feed(data[:3])
-    assert not frames.at_boundary()
-    frames.feed(data[3:12])
-    assert not frames.at_boundary()
-    frames.feed(data[12:])
-    assert frames.at_boundary()
-    assert not _ConnectFrames("application/json").streaming
-
-
-def test_end_stream_carries_e2bs_unavailable_error() -> None:
-    end = connect_end_stream("unavailable", stream_cut_message("sbx1"))
-    assert end[0] == 0x02 and int.from_bytes(end[1:5], "big") == len(end) - 5
-    body = json.loads(end[5:])
-    assert body == {
-        "error": {
-            "code": "unavailable",
-            "message": "the connection to sandbox sbx1 ended before the stream completed",
-        }
-    }
 
 
 def test_messages_name_the_target_not_the_upload_temp_file() -> None:
