@@ -67,8 +67,8 @@ cluster-down:
 	-$(COMPOSE) down -v --remove-orphans
 	scripts/docker.sh daemon-down
 
-# The image and Compose cluster tests: not in `make test` yet (their fault tests do not pass; README
-# "Cluster"). Docker's first image builds take ~20 minutes once, then seconds.
+# The image and Compose cluster tests alone (`make test` runs them too, in its side slot after the
+# emulated KVM host's suite: scripts/test.sh). The first image builds take minutes once, then seconds.
 test-cluster: template
 	@scripts/bootstrap.sh --test
 	$(PY) -m pytest -rs -s tests/system/test_compose_cluster.py $(PYTEST_ARGS)

@@ -56,6 +56,17 @@ def docker_missing() -> str | None:
     return None
 
 
+def engine_refused() -> str | None:
+    """Start Debian's engine unless one answers (``scripts/docker.sh daemon-up``); why it cannot
+    run on this machine (None: it runs), e.g. in a container without the rights dockerd needs."""
+    done = subprocess.run(
+        [str(REPO / "scripts/docker.sh"), "daemon-up"], capture_output=True, text=True, timeout=180
+    )
+    if done.returncode != 0:
+        return f"Docker's engine cannot run here: {done.stderr.strip()[-600:]}"
+    return None
+
+
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:

@@ -13,6 +13,7 @@ before and after (the session check of :mod:`tests.support.fixtures`).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -224,8 +225,32 @@ def processes(*needles: str) -> list[str]:
 SESSION_ENV = "FORKYARD_TEST_SESSION"
 
 
+#: A Docker container's cgroup, as /proc/<pid>/cgroup names it: ``/docker/<id>`` (cgroupfs driver)
+#: or ``/system.slice/docker-<id>.scope`` (systemd driver), in any hierarchy.
+_DOCKER_CGROUP = re.compile(r"/docker[/-]([0-9a-f]{64})(?:\.scope)?(?:/|$)")
+
+
+def container_of(cgroup: str) -> str | None:
+    """The Docker container (its id) a process runs in, from the text of its /proc/<pid>/cgroup;
+    None: the host's own."""
+    for line in cgroup.splitlines():
+        found = _DOCKER_CGROUP.search(line.split(":", 2)[-1])
+        if found:
+            return found.group(1)
+    return None
+
+
 def _session_of(pid: int) -> str | None:
-    """The test session that started ``pid`` (None: none, or its environment is unreadable)."""
+    """The test session that started ``pid`` (None: none, or its environment is unreadable).
+    A process in a Docker container (the Compose cluster's nodes run their sandboxes so, with
+    an environment of their own) belongs to that container, never to a session of the host:
+    ``docker:<id>``."""
+    try:
+        container = container_of(Path(f"/proc/{pid}/cgroup").read_text())
+    except OSError:
+        container = None
+    if container is not None:
+        return f"docker:{container[:12]}"
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

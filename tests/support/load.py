@@ -15,6 +15,7 @@ check. Sandboxes the clients made are killed in their loop; a failed kill leaves
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -55,6 +56,8 @@ class Report:
     samples: dict[str, str]
     #: Seconds from the end of the fault to the first create after it that went through.
     recovery_s: float | None
+    #: What the client saw of every failed call ("<exception type>: <message>").
+    failures: list[str] = field(default_factory=list)
     #: Filled in by the test after the load: what the fault lost, what it leaked.
     lost: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
@@ -175,9 +178,35 @@ class Load:
             errors=errors,
             samples=samples,
             recovery_s=(after[0] - fault_ended) if after else None,
+            failures=[c.error for c in failed],
         )
 
 
 def _kill(sbx: Sandbox) -> bool:
     sbx.kill(request_timeout=REQUEST_TIMEOUT_S)
     return True
+
+
+#: E2B's answers for a part of the cluster that is out of reach or full: 503 (the SDK's
+#: ServiceBusyException: retry) and 507 (the disk is full).
+_ANSWERED = re.compile(r"(?:^|: )(503|507): ")
+#: Errors of a request that no server answered (the only gateway restarting: its port refuses or
+#: resets connections, or closes one a request was on); the SDK's own exception types for them.
+_TRANSPORT = ("RemoteProtocolError", "WriteError", "ReadError", "ConnectError", "SandboxUnreachableException")
+
+
+def unclean(failures: list[str], *, gone: bool = False, unanswered: bool = False) -> list[str]:
+    """The failures that are not a clean answer to the fault: anything but a 503/507 in E2B's
+    shape, a 404 for a sandbox that died with its node (``gone``), a connection no server was
+    there to answer (``unanswered``). A 500, a non-JSON answer, a timeout are never clean."""
+    left = []
+    for error in failures:
+        kind = error.split(":", 1)[0]
+        if _ANSWERED.search(error):
+            continue
+        if gone and kind == "NotFoundException":
+            continue
+        if unanswered and kind in _TRANSPORT and "error sending request" in error:
+            continue
+        left.append(error)
+    return left

@@ -51,3 +51,26 @@ def test_each_session_counts_its_own_processes(fake_vmm: Fake) -> None:
     surely_ours = leaks.host_state(processes_only=True)
     assert set(surely_ours.processes) & {ours, theirs, unmarked} == {ours}
     assert surely_ours.netns == frozenset() and surely_ours.links == frozenset()
+
+
+CONTAINER = "5984dfd9fb149ba7a811ab1c8ebc4cd3f8b8cbcf97d9bda76ecc8a5ed52a37e3"
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "container"),
+    [
+        # cgroup v1, cgroupfs driver: a runsc-sandbox of a Compose node (its environment is empty).
+        (
+            f"8:pids:/docker/{CONTAINER}/forkyard/j3yzop9auy7b\n4:memory:/docker/{CONTAINER}/forkyard/j3",
+            CONTAINER,
+        ),
+        (f"0::/system.slice/docker-{CONTAINER}.scope\n", CONTAINER),  # cgroup v2, systemd driver
+        ("8:pids:/forkyard/mm642e4ukgyf4cqofcyj\n4:memory:/forkyard/mm642e4ukgyf4cqofcyj\n", None),
+        ("0::/user.slice/user-0.slice/session-1.scope\n", None),
+        ("8:pids:/docker-notes/forkyard/x\n", None),
+    ],
+)
+def test_a_docker_containers_processes_are_told_by_their_cgroup(cgroup: str, container: str | None) -> None:
+    """The Compose cluster's sandboxes run in node containers, unmarked: their cgroup says whose
+    they are, so the session beside it (scripts/test.sh) never takes them for its own."""
+    assert leaks.container_of(cgroup) == container
