@@ -68,7 +68,9 @@ class EnvdClient:
             if resp.status_code >= 300:
                 raise Unavailable(f"envd /init answered {resp.status_code}: {resp.text[:300]}")
             return
-        raise Unavailable(f"envd /init unreachable at {url}: {last!r}")
+        # repr: httpx's timeouts have no message, their type says which wait ran out (connect,
+        # read, pool); a flake once reported only "unreachable at <url>: " after 20 x 10 s.
+        raise Unavailable(f"envd /init unreachable at {url} after {INIT_ATTEMPTS} attempts: {last!r}")
 
     async def fsfreeze(self, instance: SandboxInstance, access_token: str | None) -> None:
         """``POST /fsfreeze``: the root flushed to disk before a filesystem-only pause kills the

@@ -6,6 +6,8 @@
   (the system tests and the benchmarks start their servers with it).
 * :mod:`tests.support.leaks` - probes for what a sandbox leaves on the host (network namespaces,
   veths, mounts, runsc/QEMU/Firecracker processes).
+* :mod:`tests.support.loops` - what a test leaves in the event loop later tests share (fds
+  closed under the loop's selector; tests/unit/conftest.py fails the test that does it).
 * :mod:`tests.support.counter` - a counting process in a sandbox: proof that memory survives a
   pause, snapshot, fork or server restart.
 * :mod:`tests.support.loopback` - a loopback "runtime" whose sandboxes are plain HTTP servers

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from forkyard.interpreter import outputs
 from forkyard.interpreter.app import create_app
@@ -24,7 +25,14 @@ from tests.support import free_port
 pytest.importorskip("ipykernel", reason="the test extra pins ipykernel (pip install -e '.[test]')")
 
 
-@pytest.fixture()
+# The tests here run on a loop of their own (the default test loop scope): so must the kernel they
+# drive. Under the default *fixture* loop scope (the session's loop, pyproject.toml) the kernel's
+# ZeroMQ sockets were first polled on the session loop, then on the test's; pyzmq moves a socket's
+# reader to the new loop without removing it from the old one, so each closed socket left a reader
+# in the session loop's selector for an fd number that epoll had dropped. The next socket given
+# that number there is never watched: a loopback sandbox's listener never accepted, and every
+# envd /init to it timed out (test_lifecycle's create, 20 x 10 s).
+@pytest_asyncio.fixture(loop_scope="function")
 async def client(tmp_path: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(str(tmp_path))
     async with app.router.lifespan_context(app):
