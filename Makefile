@@ -67,7 +67,7 @@ cluster-down:
 	-$(COMPOSE) down -v --remove-orphans
 	scripts/docker.sh daemon-down
 
-# The image and Compose cluster tests alone (`make test` runs them too, in its side slot after the
+# The image and Compose cluster tests alone (`make test` runs them too, alone after the rest and the
 # emulated KVM host's suite: scripts/test.sh). The first image builds take minutes once, then seconds.
 test-cluster: template
 	@scripts/bootstrap.sh --test

@@ -104,6 +104,7 @@ class Gateway:
         self._nodes_stale = False
         self._owners: dict[str, str] = {}
         self._placed: dict[str, Placed] = {}
+        self._clock = placement.HeartbeatClock(settings.node_lost_after_seconds)
         self._watch: asyncio.Task[None] | None = None
 
     @property
@@ -149,6 +150,7 @@ class Gateway:
             try:
                 self._nodes = await self.db.nodes()
             except Unavailable:
+                self._clock.failed(time.time())
                 if not self._nodes:
                     raise
                 # The registry restarting moves no node: sandbox traffic goes on to the last known.
@@ -156,11 +158,17 @@ class Gateway:
                 self._nodes_stale = True
                 return self._nodes
             self._nodes_read, self._nodes_stale = time.monotonic(), False
+            self._clock.answered(time.time())
             placement.forget_seen(self._placed, self._nodes, placement.DEFAULT_MEMORY_MIB)
         return self._nodes
 
+    @property
+    def heartbeats_now(self) -> float:
+        """The time nodes' heartbeat ages are judged at (a registry outage does not age them)."""
+        return self._clock.now(time.time())
+
     async def live_nodes(self) -> list[NodeInfo]:
-        now = time.time()
+        now = self.heartbeats_now
         return [
             n for n in await self.nodes() if n.state != "lost" and now - n.heartbeat_at <= self.fresh_within
         ]
@@ -209,9 +217,12 @@ class Gateway:
             try:
                 if time.monotonic() - judged_from < lost_after:
                     await self.db.nodes()  # the registry answers: the wait counts from here on
+                    self._clock.answered(time.time())
                     await asyncio.sleep(interval)
                     continue
-                for lost in await self.db.mark_lost(lost_after):
+                lost_nodes = await self.db.mark_lost(lost_after)
+                self._clock.answered(time.time())
+                for lost in lost_nodes:
                     log.warning(
                         "node %s lost (no heartbeat for %.0f s): its sandboxes %s reported killed",
                         lost.node_id,
@@ -223,6 +234,7 @@ class Gateway:
                     await self.nodes(refresh=True)
             except Exception:  # the database may be briefly unreachable: try again next round
                 log.exception("gateway: checking node liveness failed")
+                self._clock.failed(time.time())
                 judged_from = time.monotonic()
             await asyncio.sleep(interval)
 
@@ -436,8 +448,8 @@ class Gateway:
             template=reference,
             cached_on=await self.db.holders(reference) if isinstance(reference, str) else frozenset(),
         )
-        now = time.time()
         nodes = await self.nodes(refresh=True)
+        now = self.heartbeats_now  # after the read: it tells the clock whether the database answered
         ranked = placement.candidates(nodes, need, now, self.fresh_within, self._placed)
         if pinned is not None:
             # The volume's node is the only place: the node decides (429 when full), not this
@@ -546,7 +558,7 @@ class Gateway:
         self, method: str, target: str, body: bytes, headers: list[tuple[str, str]]
     ) -> Response:
         ranked = placement.candidates(
-            await self.nodes(refresh=True), Need(memory_mib=0), time.time(), self.fresh_within
+            await self.nodes(refresh=True), Need(memory_mib=0), self.heartbeats_now, self.fresh_within
         )
         if not ranked:
             return error_response(503, "no node is up")

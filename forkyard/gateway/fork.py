@@ -197,7 +197,7 @@ async def plan_spill(
     if parent.instance is not None and parent.instance.volume_mounts:
         return None  # its volumes are directories of its node: children elsewhere could not mount them
     others = [n for n in nodes if n.node_id != node.node_id]
-    plan = placement.spread(others, req.count - local, Need(), time.time(), gw.fresh_within, gw.placed)
+    plan = placement.spread(others, req.count - local, Need(), gw.heartbeats_now, gw.fresh_within, gw.placed)
     if not any(plan):
         return None
     network: dict[str, Any] = {"allowPublicTraffic": parent.traffic_access_token is None}

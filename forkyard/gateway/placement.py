@@ -80,6 +80,39 @@ def fresh(node: NodeInfo, now: float, fresh_within: float) -> bool:
     return node.state == "up" and now - node.heartbeat_at <= fresh_within
 
 
+@dataclass
+class HeartbeatClock:
+    """The time a node's heartbeat age is judged at (placement's ``now``): while the registry is
+    out of reach, and for ``fresh_within`` after it answers again, no node could write its
+    heartbeat, so the outage does not age them: during it, time stands at the registry's last
+    answer; after it, ``now`` less the outage's length. Without this a create right after a
+    PostgreSQL restart longer than ``fresh_within`` found no node fresh ("no node has room")."""
+
+    fresh_within: float
+    #: Wall times: the registry's last answer; since when it fails (None: it answers); the last
+    #: outage, (its last answer before, its first answer after).
+    answered_at: float | None = None
+    failing_since: float | None = None
+    outage: tuple[float, float] | None = None
+
+    def answered(self, at: float) -> None:
+        if self.failing_since is not None and self.answered_at is not None:
+            self.outage = (self.answered_at, at)
+        self.failing_since = None
+        self.answered_at = at
+
+    def failed(self, at: float) -> None:
+        if self.failing_since is None:
+            self.failing_since = at
+
+    def now(self, at: float) -> float:
+        if self.failing_since is not None and self.answered_at is not None:
+            return self.answered_at
+        if self.outage is not None and at - self.outage[1] < self.fresh_within:
+            return at - (self.outage[1] - self.outage[0])
+        return at
+
+
 def _effective(node: NodeInfo, placed: Mapping[str, Placed]) -> tuple[int, int, int]:
     """(free memory, free slots, sandboxes) counting placements newer than the heartbeat."""
     extra = placed.get(node.node_id)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from forkyard.gateway.placement import Need, NodeInfo, Placed, candidates, forget_seen, note_placed
+from forkyard.gateway.placement import (
+    HeartbeatClock,
+    Need,
+    NodeInfo,
+    Placed,
+    candidates,
+    forget_seen,
+    note_placed,
+)
 
 NOW = 1_000_000.0
 
@@ -85,3 +93,26 @@ def test_placements_count_against_room() -> None:
     placed: dict[str, Placed] = {}
     note_placed(placed, "a", 512, NOW)
     assert order(nodes, placed=placed) == []
+
+
+def test_a_registry_outage_does_not_age_heartbeats() -> None:
+    """No node can write its heartbeat while the registry is out of reach: placement judges
+    heartbeats as of the registry's last answer meanwhile, and the outage's length less afterwards
+    (a create right after a PostgreSQL restart longer than ``fresh_within`` found no node)."""
+    clock = HeartbeatClock(fresh_within=3.0)
+    node = NodeInfo(
+        node_id="a", url="http://a", state="up", heartbeat_at=100.0, memory_free_mib=4096, slots_free=4
+    )
+    clock.answered(100.0)
+    assert clock.now(102.0) == 102.0
+    clock.failed(101.0)
+    clock.failed(103.0)  # still the same outage
+    assert clock.now(108.0) == 100.0  # time stands at the last answer
+    assert candidates([node], Need(), clock.now(108.0), 3.0) == [node]
+    clock.answered(109.0)  # back after 9 s: the node's next heartbeat is on its way
+    assert clock.now(110.0) == 101.0
+    assert candidates([node], Need(), clock.now(110.0), 3.0) == [node]
+    assert clock.now(111.0) == 102.0
+    assert clock.now(112.5) == 112.5  # fresh_within after it: the node has written a new one
+    assert clock.now(200.0) == 200.0  # an outage long past ages nothing
+    assert candidates([node], Need(), clock.now(200.0), 3.0) == []
