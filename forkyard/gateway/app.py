@@ -100,8 +100,6 @@ class Gateway:
         self._db: NodeDirectory | None = None
         self._nodes: list[NodeInfo] = []
         self._nodes_read = 0.0
-        #: Whether ``_nodes`` is the list read before the database went out of reach.
-        self._nodes_stale = False
         self._owners: dict[str, str] = {}
         self._placed: dict[str, Placed] = {}
         self._clock = placement.HeartbeatClock(settings.node_lost_after_seconds)
@@ -155,9 +153,8 @@ class Gateway:
                     raise
                 # The registry restarting moves no node: sandbox traffic goes on to the last known.
                 log.warning("gateway: the registry is out of reach; using the node list read before")
-                self._nodes_stale = True
                 return self._nodes
-            self._nodes_read, self._nodes_stale = time.monotonic(), False
+            self._nodes_read = time.monotonic()
             self._clock.answered(time.time())
             placement.forget_seen(self._placed, self._nodes, placement.DEFAULT_MEMORY_MIB)
         return self._nodes
@@ -457,8 +454,8 @@ class Gateway:
             ranked = [n for n in nodes if n.node_id == pinned and placement.fresh(n, now, self.fresh_within)]
             if not ranked:
                 return error_response(503, f"node {pinned}, which holds the mounted volumes, is down")
-        if not ranked and self._nodes_stale:
-            # The estimate is from before the outage; the node could not record a sandbox anyway.
+        if not ranked and self._clock.failing:
+            # The node list is from before the outage; the node could not record a sandbox anyway.
             return error_response(503, UNAVAILABLE_MESSAGE)
         if not ranked:
             return error_response(503, "no node has room for a sandbox now (or none is up)")

@@ -101,12 +101,17 @@ class HeartbeatClock:
         self.failing_since = None
         self.answered_at = at
 
+    @property
+    def failing(self) -> bool:
+        """Whether the registry's last answer was a failure (the node list is from before it)."""
+        return self.failing_since is not None
+
     def failed(self, at: float) -> None:
         if self.failing_since is None:
             self.failing_since = at
 
     def now(self, at: float) -> float:
-        if self.failing_since is not None and self.answered_at is not None:
+        if self.failing and self.answered_at is not None:
             return self.answered_at
         if self.outage is not None and at - self.outage[1] < self.fresh_within:
             return at - (self.outage[1] - self.outage[0])

@@ -670,30 +670,32 @@ class Orchestrator:
         async with self._admission:
             held = len(await self.store.in_states(ADMITTED_STATES))
             if held >= cap:
-                if isinstance(source, Claim):  # taken from a pool: nothing else will stop it
-                    with contextlib.suppress(Exception):
-                        await runtime.kill(source.instance)
+                await self._drop_claim(runtime, source)
                 raise LimitReached(
                     f"this node runs its maximum of {cap} concurrent sandboxes (FORKYARD_MAX_SANDBOXES)"
                 )
             await self._insert(rec)
 
     async def _check_disk_reserve(self, runtime: Runtime, source: Source) -> None:
-        """507 when the data dir has less than ``disk_reserve_mb`` free (a full disk is E2B's
-        507); a pooled sandbox handed to this check is killed, as nothing else would stop it."""
+        """507 when the data dir has less than ``disk_reserve_mb`` free (a full disk is E2B's 507)."""
         reserve = self.settings.disk_reserve_mb << 20
         if reserve <= 0:
             return
         free = shutil.disk_usage(self.settings.data_dir).free
         if free >= reserve:
             return
-        if isinstance(source, Claim):
-            with contextlib.suppress(Exception):
-                await runtime.kill(source.instance)
+        await self._drop_claim(runtime, source)
         raise InsufficientStorage(
             f"the node's disk is full: {free >> 20} MiB free in its data dir, under the reserve of "
             f"{reserve >> 20} MiB a new sandbox needs (FORKYARD_DISK_RESERVE_MB)"
         )
+
+    async def _drop_claim(self, runtime: Runtime, source: Source) -> None:
+        """A sandbox taken from a pool and then refused admission is killed: nothing else would
+        stop it (it is in no pool and has no row)."""
+        if isinstance(source, Claim):
+            with contextlib.suppress(Exception):
+                await runtime.kill(source.instance)
 
     async def _insert(self, rec: SandboxRecord) -> None:
         try:
